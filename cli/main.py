@@ -1,0 +1,192 @@
+"""`fastspec` command line: chat, bench, speed.
+
+Every user error becomes one line on stderr and exit code 1 (2 for bad flags, from click).
+"""
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+from rich.console import Console
+
+from fastspec.config import FastspecError
+
+console = Console(stderr=False)
+err_console = Console(stderr=True)
+
+
+def user_errors(fn):
+    """Turn expected failures into one clear line and a non-zero exit, never a traceback."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except FastspecError as e:
+            err_console.print(f"[bold red]error:[/] {e}", highlight=False, markup=True)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            err_console.print("interrupted")
+            sys.exit(130)
+    return wrapper
+
+
+def model_options(fn):
+    fn = click.option("--model", "-m", default="smollm2-135m", show_default=True,
+                      help="Checkpoint: a built-in name (smollm2-135m, tiny-random), an HF directory "
+                           "(config.json + *.safetensors) or a .gguf file.")(fn)
+    fn = click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
+                      show_default=True, help="Weight and activation precision.")(fn)
+    fn = click.option("--backend", type=click.Choice(["compile", "eager"]), default="compile",
+                      show_default=True,
+                      help="compile: torch.compile'd static decode step (fast after a warm-up); "
+                           "eager: plain PyTorch (no warm-up).")(fn)
+    return fn
+
+
+def sampling_options(fn):
+    fn = click.option("--max-new-tokens", type=int, default=256, show_default=True,
+                      help="Stop after this many generated tokens.")(fn)
+    fn = click.option("--temperature", type=float, default=0.0, show_default=True,
+                      help="0 = greedy (deterministic); > 0 samples.")(fn)
+    fn = click.option("--top-p", type=float, default=1.0, show_default=True,
+                      help="Nucleus sampling: keep the smallest set of tokens with this much mass.")(fn)
+    fn = click.option("--top-k", type=int, default=0, show_default=True,
+                      help="Keep only the k most likely tokens (0 = off).")(fn)
+    fn = click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")(fn)
+    return fn
+
+
+def load_engine(model: str, dtype: str, backend: str, status: bool = True):
+    from fastspec.engine import Engine
+    from fastspec.model.loader import load_model
+    with err_console.status(f"loading {model} ..."):
+        loaded = load_model(model, dtype=dtype)
+    return Engine(loaded, backend=backend)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli():
+    """fastspec: self-speculative decoding on one model backbone.
+
+    \b
+    Quick start:
+      fastspec chat --prompt "What is 7 * 8?"     one answer, streamed
+      fastspec chat                              interactive chat
+      fastspec bench --suite math --limit 5      speed (and accuracy) on GSM8K & co.
+      fastspec speed                             fastspec vs transformers, CPU roofline
+    """
+
+
+@cli.command()
+@model_options
+@sampling_options
+@click.option("--method", default="ar", show_default=True, help="Decoding method (ar).")
+@click.option("--prompt", "-p", default=None, help="Answer this one prompt and exit.")
+@click.option("--system", default=None, help="System message (default: the chat template's).")
+@user_errors
+def chat(model, dtype, backend, max_new_tokens, temperature, top_p, top_k, seed, method, prompt, system):
+    """Chat with the model; tokens stream as they are committed."""
+    from fastspec.sampling import SamplingParams
+    params = SamplingParams(temperature, top_k, top_p, max_new_tokens, seed)
+    if prompt is not None and not prompt.strip():
+        raise FastspecError("empty prompt: give --prompt some text")
+    engine = load_engine(model, dtype, backend)
+    history: list[dict] = [{"role": "system", "content": system}] if system else []
+
+    def answer(user_text: str) -> None:
+        history.append({"role": "user", "content": user_text})
+        text = engine.render_chat(history)
+        shown: list[int] = []
+        printed = ""
+
+        def stream(_, new_ids):
+            nonlocal printed
+            shown.extend(new_ids)
+            full = engine.decode(shown) or ""
+            console.print(full[len(printed):], end="", highlight=False, markup=False)
+            printed = full
+
+        out = engine.generate([text], params, method=method, on_commit=stream)[0]
+        console.print()
+        s = engine.last_stats
+        err_console.print(f"[dim]{len(out.token_ids)} tokens, {s.tokens_per_s:.1f} tok/s, "
+                          f"{s.tokens_per_forward:.2f} tokens/forward, warm-up {engine.warmup_s:.1f}s[/]")
+        history.append({"role": "assistant", "content": out.text or ""})
+
+    if prompt is not None:
+        answer(prompt)
+        return
+    err_console.print("[dim]fastspec chat — empty line or Ctrl-D to quit[/]")
+    while True:
+        try:
+            user_text = console.input("[bold cyan]> [/]")
+        except EOFError:
+            break
+        if not user_text.strip():
+            break
+        answer(user_text)
+
+
+@cli.command()
+@model_options
+@sampling_options
+@click.option("--suite", default=None, help="Benchmark suite: math, code, qa, all.")
+@click.option("--bench", "benches", default=None, help="Comma-separated benchmarks, e.g. gsm8k,math500.")
+@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
+              help="Your own prompts: a jsonl file with a 'prompt' (or 'question') field per line.")
+@click.option("--limit", type=int, default=5, show_default=True, help="Problems per benchmark.")
+@click.option("--method", "methods", default="ar", show_default=True, help="Comma-separated methods.")
+@click.option("--concurrency", default="1", show_default=True,
+              help="Comma-separated numbers of requests decoded together, e.g. 1,4.")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None, envvar="FASTSPEC_DATA",
+              help="Folder of benchmark jsonl files (env FASTSPEC_DATA).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
+              help="Write every per-request record and the environment to this JSON file.")
+@user_errors
+def bench(model, dtype, backend, max_new_tokens, temperature, top_p, top_k, seed, suite, benches,
+          prompts_file, limit, methods, concurrency, data_dir, json_out):
+    """Run benchmark prompts and report tokens/s, tokens per forward and accuracy."""
+    from fastspec.evals.runner import run_bench
+    run_bench(model=model, dtype=dtype, backend=backend, max_new_tokens=max_new_tokens,
+              temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, suite=suite,
+              benches=benches, prompts_file=prompts_file, limit=limit, methods=methods,
+              concurrency=concurrency, data_dir=data_dir, json_out=json_out, console=console,
+              load_engine=load_engine)
+
+
+@cli.command()
+@click.option("--model", "-m", default="smollm2-135m", show_default=True, help="Checkpoint (see chat --help).")
+@click.option("--new-tokens", type=int, default=128, show_default=True, help="Tokens generated per run.")
+@click.option("--batch", "batches", default="1,8", show_default=True, help="Comma-separated batch sizes.")
+@click.option("--tokens-per-forward", "ns", default="1,2,4,8,16,32", show_default=True,
+              help="N for the T(N)/T(1) multi-token forward table.")
+@click.option("--context", type=int, default=256, show_default=True,
+              help="Committed context length for the T(N) table.")
+@click.option("--no-hf", is_flag=True, help="Skip the transformers generate baseline.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write results as JSON.")
+@user_errors
+def speed(model, new_tokens, batches, ns, context, no_hf, json_out):
+    """CPU speed: fastspec AR vs transformers generate, % of the memory-bandwidth floor, T(N)/T(1)."""
+    from fastspec.evals.speed import run_speed
+    run_speed(model=model, new_tokens=new_tokens, batches=parse_int_list(batches, "--batch"),
+              ns=parse_int_list(ns, "--tokens-per-forward"), context=context, hf=not no_hf,
+              json_out=json_out, console=console)
+
+
+def parse_int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise FastspecError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise FastspecError(f"{flag} takes positive integers, got {text!r}")
+    return values
+
+
+def main():
+    cli(prog_name="fastspec")
+
+
+if __name__ == "__main__":
+    main()

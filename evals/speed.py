@@ -1,0 +1,172 @@
+"""`fastspec speed`: fastspec AR against transformers `generate` on the same weights, the
+memory-bandwidth floor, and the cost of multi-token forwards T(N)/T(1).
+
+    floor (ms/token) = weight bytes read per step / measured read bandwidth
+    % of floor       = floor / measured ms per token
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from fastspec.layout import bidirectional_block, cache_mask, causal_block
+from fastspec.sampling import SamplingParams
+
+PROMPTS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Explain why the sky is blue in three sentences.",
+    "What is the capital of Australia, and why is it not Sydney?",
+    "Give me a short recipe for pancakes.",
+    "Summarize the plot of Romeo and Juliet.",
+    "What are the prime numbers below 50?",
+    "Translate 'good morning, how are you?' into French and Spanish.",
+]
+
+
+def read_bandwidth_gbs(size_mb: int = 1024, reps: int = 5) -> float:
+    """Sustained read bandwidth: best of `reps` sums over a buffer far larger than the caches."""
+    x = torch.ones(size_mb * 1024 * 1024 // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def time_fn(fn, reps: int = 10, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def hf_model_from(loaded):
+    """A transformers LlamaForCausalLM holding exactly the engine's weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = loaded.cfg.to_hf()
+    hf_cfg = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    hf = AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32)
+    missing, unexpected = hf.load_state_dict(loaded.model.hf_state_dict(), strict=False)
+    assert not [m for m in missing if "rotary" not in m], missing
+    return hf.eval()
+
+
+def hf_generate_tps(hf, tokenizer, prompts: list[str], new_tokens: int) -> tuple[float, list[list[int]]]:
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+              pad_token_id=tokenizer.pad_token_id)
+    with torch.no_grad():
+        hf.generate(**enc, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})   # warm-up
+        t0 = time.perf_counter()
+        out = hf.generate(**enc, **kw)
+        dt = time.perf_counter() - t0
+    new = out[:, enc["input_ids"].shape[1]:]
+    return new.numel() / dt, new.tolist()
+
+
+def forward_times(engine, batch: int, ns: list[int], context: int) -> dict:
+    """Median ms of one forward of N new tokens per row after `context` committed tokens."""
+    model, cfg = engine.model, engine.cfg
+    fwd = engine.forward_fn()
+    max_len = -(-(context + max(ns)) // 256) * 256
+    k = torch.zeros(cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    v = torch.zeros_like(k)
+    lengths = torch.full((batch,), context)
+    slots = torch.arange(batch)
+    out = {}
+    for n in ns:
+        ids = torch.randint(0, cfg.vocab_size, (batch, n))
+        cols = lengths[:, None] + torch.arange(n)
+        for kind, block in (("causal", causal_block(n)), ("bidirectional", bidirectional_block(n))):
+            mask = cache_mask(lengths, block, max_len)
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                fwd(ids, cols, k, v, cols, mask, slots)
+                compile_s = time.perf_counter() - t0
+                ms = time_fn(lambda: fwd(ids, cols, k, v, cols, mask, slots)) * 1e3
+            out[(n, kind)] = {"ms": ms, "first_call_s": compile_s}
+    return out
+
+
+def run_speed(*, model, new_tokens, batches, ns, context, hf, json_out, console: Console):
+    from fastspec.engine import Engine
+    from fastspec.model.loader import load_model
+
+    torch.manual_seed(0)
+    loaded = load_model(model)
+    engine = Engine(loaded, backend="compile")
+    cfg = loaded.cfg
+    bw = read_bandwidth_gbs()
+    weight_bytes = cfg.weight_bytes(4)
+    floor_ms = weight_bytes / (bw * 1e9) * 1e3
+    console.print(f"model {model}: {weight_bytes / 1e6:.0f} MB of weights per step; read bandwidth "
+                  f"{bw:.1f} GB/s -> floor {floor_ms:.1f} ms/token at batch 1; "
+                  f"{torch.get_num_threads()} threads")
+    hf_model = hf_model_from(loaded) if hf else None
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    result = {"model": model, "bandwidth_gbs": bw, "weight_bytes": weight_bytes, "floor_ms": floor_ms,
+              "threads": torch.get_num_threads(), "torch": torch.__version__, "generate": [], "forward": []}
+
+    gen = Table(title=f"AR decoding, greedy, {new_tokens} new tokens")
+    for col in ("batch", "fastspec tok/s", "ms/step", "% of floor", "HF generate tok/s", "speedup", "same tokens", "warm-up s"):
+        gen.add_column(col, justify="right")
+    for b in batches:
+        prompts = [engine.render_chat([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]) for i in range(b)]
+        engine.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True), concurrency=b)
+        warm = engine.warmup_s
+        out = engine.generate(prompts, params, concurrency=b)
+        s = engine.last_stats
+        decode_tps = s.new_tokens / s.wall_s
+        step_ms = s.decode_s / max(s.decode_steps, 1) * 1e3
+        # The floor is per step; a batch shares one read of the weights.
+        row = {"batch": b, "tokens_per_s": decode_tps, "step_ms": step_ms,
+               "floor_fraction": floor_ms / step_ms, "warmup_s": warm}
+        if hf_model is not None:
+            hf_tps, hf_ids = hf_generate_tps(hf_model, loaded.tokenizer, prompts, new_tokens)
+            row.update(hf_tokens_per_s=hf_tps, speedup=decode_tps / hf_tps,
+                       same_tokens=sum(o.token_ids == h for o, h in zip(out, hf_ids)) / b)
+        result["generate"].append(row)
+        fmt = lambda key, f: format(row[key], f) if key in row else "—"
+        gen.add_row(str(b), f"{decode_tps:.1f}", f"{step_ms:.1f}", f"{row['floor_fraction']:.0%}",
+                    fmt("hf_tokens_per_s", ".1f"), fmt("speedup", ".2f") + "×", fmt("same_tokens", ".0%"),
+                    f"{warm:.1f}")
+    console.print(gen)
+
+    fw = Table(title=f"one forward of N new tokens per row, context {context} — ms and T(N)/T(1)")
+    fw.add_column("batch", justify="right")
+    fw.add_column("mask")
+    for n in ns:
+        fw.add_column(f"N={n}", justify="right")
+    for b in (1, 4):
+        times = forward_times(engine, b, ns, context)
+        for kind in ("causal", "bidirectional"):
+            t1 = times[(ns[0], kind)]["ms"]
+            cells = [f"{times[(n, kind)]['ms']:.1f} ({times[(n, kind)]['ms'] / t1:.2f})" for n in ns]
+            fw.add_row(str(b), kind, *cells)
+            for n in ns:
+                result["forward"].append({"batch": b, "n": n, "mask": kind, **times[(n, kind)],
+                                          "ratio": times[(n, kind)]["ms"] / t1})
+    console.print(fw)
+    if json_out:
+        os.makedirs(os.path.dirname(os.path.abspath(json_out)), exist_ok=True)
+        with open(json_out, "w") as f:
+            json.dump(result, f, indent=1)
+        console.print(f"wrote {json_out}")
+    return result

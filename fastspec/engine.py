@@ -1,0 +1,295 @@
+"""The engine: requests in, tokens out, one batched forward per step.
+
+    Engine.generate(prompts, sampling, method="ar", concurrency=C)
+
+Up to C requests decode together in slots of a static KV cache (row b of the decode batch is slot
+b). A finished request frees its slot and the next waiting request is prefilled into it
+(continuous batching). The forward is the model's, through the chosen backend; everything on the
+tensor side of a step is static-shaped and free of host syncs; the host reads the new tokens once
+per step to stream them and to retire finished requests.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence as Seq
+
+import torch
+
+from fastspec.config import FastspecError
+from fastspec.kv_cache import KVCache
+from fastspec.layout import cache_mask, causal_block
+from fastspec.sampling import SamplerState, SamplingParams, sample_tokens
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+CTX_ALIGN = 256
+
+
+def batch_bucket(n: int) -> int:
+    for b in BATCH_BUCKETS:
+        if n <= b:
+            return b
+    raise FastspecError(f"concurrency {n} exceeds the largest batch bucket {BATCH_BUCKETS[-1]}")
+
+
+@dataclass
+class Sequence:
+    """One request: its prompt, what it has produced, and where it lives in the cache."""
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    slot: int = -1
+    finish_reason: str | None = None
+    rounds: int = 0                 # decode rounds (AR: one token each)
+    t_submit: float = 0.0
+    t_first: float = 0.0
+    t_done: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Completion:
+    index: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    rounds: int
+    ttft_s: float
+    latency_s: float
+
+    @property
+    def tau(self) -> float:
+        """Tokens committed per round (the first token comes from prefill, not a round)."""
+        return (len(self.token_ids) - 1) / max(self.rounds, 1)
+
+
+@dataclass
+class RunStats:
+    requests: int = 0
+    new_tokens: int = 0
+    forwards: int = 0
+    decode_steps: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    wall_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / max(self.wall_s, 1e-9)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.new_tokens / max(self.forwards, 1)
+
+
+class Scheduler:
+    """FIFO admission into free slots."""
+
+    def __init__(self, seqs: Seq[Sequence], num_slots: int):
+        self.waiting: deque[Sequence] = deque(seqs)
+        self.free = list(range(num_slots - 1, -1, -1))    # pop() hands out slot 0 first
+        self.running: dict[int, Sequence] = {}
+
+    def admit(self) -> list[Sequence]:
+        admitted = []
+        while self.waiting and self.free:
+            seq = self.waiting.popleft()
+            seq.slot = self.free.pop()
+            self.running[seq.slot] = seq
+            admitted.append(seq)
+        return admitted
+
+    def retire(self, seq: Sequence) -> None:
+        del self.running[seq.slot]
+        self.free.append(seq.slot)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+
+class Engine:
+    def __init__(self, loaded, backend: str = "compile", max_context: int | None = None):
+        """loaded: a `fastspec.model.loader.LoadedModel`. backend: compile | eager."""
+        if backend not in ("compile", "eager"):
+            raise FastspecError(f"unknown backend {backend!r} (choose compile or eager)")
+        self.model = loaded.model
+        self.cfg = loaded.cfg
+        self.tokenizer = loaded.tokenizer
+        self.backend = backend
+        self.device = next(self.model.parameters()).device
+        self.dtype = next(self.model.parameters()).dtype
+        self.max_context = min(max_context or self.cfg.max_position_embeddings,
+                               self.model.rope_cos.shape[0])
+        eos = set(self.cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = eos
+        self.cache: KVCache | None = None
+        self._decode_forward: Callable | None = None
+        self.warmup_s = 0.0
+        self.last_stats = RunStats()
+
+    # --- set-up -----------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise FastspecError("this model has no tokenizer: pass token ids")
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise FastspecError("empty prompt: give at least one token of input")
+        return ids
+
+    def decode(self, ids: list[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def render_chat(self, messages: list[dict]) -> str:
+        if self.tokenizer is None:
+            raise FastspecError("this model has no tokenizer: pass token ids")
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return "\n".join(m["content"] for m in messages) + "\n"
+
+    def prepare(self, num_slots: int, need_len: int) -> None:
+        """Allocate the KV cache and (re)build the decode forward for these static shapes."""
+        if need_len > self.max_context:
+            raise FastspecError(
+                f"prompt plus --max-new-tokens needs {need_len} positions but the context is "
+                f"{self.max_context}: shorten the prompt or lower --max-new-tokens")
+        max_len = min(-(-need_len // CTX_ALIGN) * CTX_ALIGN, self.max_context)
+        if self.cache is not None and self.cache.num_slots == num_slots and self.cache.max_len >= max_len:
+            self.warmup_s = 0.0
+            return
+        self.cache = KVCache(self.cfg, num_slots, max_len, self.dtype, self.device)
+        t0 = time.perf_counter()
+        self._decode(torch.zeros(num_slots, dtype=torch.long, device=self.device),
+                     torch.zeros(num_slots, dtype=torch.long, device=self.device))
+        self.warmup_s = time.perf_counter() - t0
+
+    def forward_fn(self) -> Callable:
+        """The model forward through the backend (compiled once; new shapes compile on first use)."""
+        if self._decode_forward is None:
+            if self.backend == "compile":
+                from fastspec.graphs.compile import compile_forward
+                self._decode_forward = compile_forward(self.model, "compile")
+            else:
+                self._decode_forward = self.model.forward
+        return self._decode_forward
+
+    # --- the two forwards -------------------------------------------------------------------
+    @torch.no_grad()
+    def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Prompts of admitted requests in one ragged batch (right-padded); last-token logits."""
+        c = self.cache
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        lens = torch.tensor([len(s.prompt_ids) for s in seqs], device=self.device)
+        n = int(lens.max())
+        ids = torch.zeros(len(seqs), n, dtype=torch.long, device=self.device)
+        for row, s in enumerate(seqs):
+            ids[row, : len(s.prompt_ids)] = torch.tensor(s.prompt_ids)
+        pos = torch.arange(n, device=self.device).expand(len(seqs), n)
+        zero = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
+        mask = cache_mask(zero, causal_block(n, self.device), n)
+        logits = self.model(ids, pos, c.k, c.v, pos, mask, slots, logits_index=(lens - 1)[:, None])
+        c.lengths[slots] = lens
+        return logits[:, 0]
+
+    @torch.no_grad()
+    def _decode(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """One AR step for every slot: token [S] at column lengths[S]; returns logits [S, V]."""
+        c = self.cache
+        col = lengths[:, None]
+        mask = cache_mask(lengths, causal_block(1, self.device), c.max_len)
+        slots = torch.arange(c.num_slots, device=self.device)
+        return self.forward_fn()(tokens[:, None], col, c.k, c.v, col, mask, slots)[:, 0]
+
+    # --- the loop ---------------------------------------------------------------------------
+    def generate(self, prompts: Seq[str | list[int]],
+                 sampling: SamplingParams | Seq[SamplingParams] | None = None,
+                 method: str = "ar", concurrency: int = 1,
+                 on_commit: Callable[[int, list[int]], None] | None = None) -> list[Completion]:
+        """Decode every prompt; `on_commit(request_index, new_token_ids)` streams tokens.
+
+        `sampling` is one SamplingParams for all prompts or one per prompt.
+        """
+        if method != "ar":
+            raise FastspecError(f"unknown method {method!r} (available: ar)")
+        if concurrency < 1:
+            raise FastspecError(f"--concurrency must be >= 1, got {concurrency}")
+        sampling = sampling or SamplingParams()
+        per_request = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        if len(per_request) != len(prompts):
+            raise FastspecError("give one SamplingParams, or one per prompt")
+        seqs = [Sequence(i, self.encode(p), sp) for i, (p, sp) in enumerate(zip(prompts, per_request))]
+        if not seqs:
+            return []
+        num_slots = batch_bucket(min(concurrency, len(seqs)))
+        self.prepare(num_slots, max(len(s.prompt_ids) + s.params.max_new_tokens for s in seqs))
+        c = self.cache
+        c.lengths.zero_()
+        sampler = SamplerState(num_slots, self.device, per_request[0].seed)
+        stats = RunStats(requests=len(seqs))
+        sched = Scheduler(seqs, num_slots)
+        pending = torch.zeros(num_slots, dtype=torch.long, device=self.device)   # next input token
+        active = torch.zeros(num_slots, dtype=torch.long, device=self.device)    # 1 = slot decoding
+
+        def commit(seq: Sequence, token: int, now: float) -> None:
+            seq.output_ids.append(token)
+            if on_commit is not None:
+                on_commit(seq.index, [token])
+            if token in self.eos_ids and not seq.params.ignore_eos:
+                seq.finish_reason = "eos"
+            elif len(seq.output_ids) >= seq.params.max_new_tokens:
+                seq.finish_reason = "length"
+            if seq.finished:
+                seq.t_done = now
+                sched.retire(seq)
+                active[seq.slot] = 0
+
+        t_start = time.perf_counter()
+        for s in seqs:
+            s.t_submit = t_start
+        while sched.busy:
+            admitted = sched.admit()
+            if admitted:
+                t0 = time.perf_counter()
+                slots = torch.tensor([s.slot for s in admitted], device=self.device)
+                for s in admitted:
+                    sampler.set(s.slot, s.params)
+                first = sample_tokens(self._prefill(admitted), sampler, slots)
+                pending[slots] = first
+                active[slots] = 1
+                stats.forwards += 1
+                now = time.perf_counter()
+                stats.prefill_s += now - t0
+                for s, tok in zip(admitted, first.tolist()):
+                    s.t_first = now
+                    commit(s, tok, now)
+            if not sched.running:
+                continue
+            t0 = time.perf_counter()
+            logits = self._decode(pending, c.lengths)
+            pending = sample_tokens(logits, sampler)
+            c.lengths += active          # the input token's K/V is now part of the prefix
+            stats.forwards += 1
+            stats.decode_steps += 1
+            host_tokens = pending.tolist()
+            now = time.perf_counter()
+            stats.decode_s += now - t0
+            for slot, seq in list(sched.running.items()):
+                seq.rounds += 1
+                commit(seq, host_tokens[slot], now)
+        stats.wall_s = time.perf_counter() - t_start
+        stats.new_tokens = sum(len(s.output_ids) for s in seqs)
+        self.last_stats = stats
+        return [Completion(s.index, s.prompt_ids, s.output_ids, self.decode(s.output_ids),
+                           s.finish_reason or "length", s.rounds, s.t_first - s.t_submit,
+                           s.t_done - s.t_submit) for s in seqs]

