@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -176,9 +177,12 @@ class TreeNode:
 
 def run_program(program: str, timeout: float = 10.0) -> tuple[bool, str]:
     """Run `program` in a fresh `python -I` process inside a temp dir. (passed, detail)."""
+    # Exit code 0 alone is not enough: a stray sys.exit(0) / os._exit(0) in the completion
+    # would skip the asserts. The tests must also reach this last line.
+    nonce = secrets.token_hex(8)
     with tempfile.TemporaryDirectory(prefix="fastspec_eval_") as d:
         path = Path(d) / "prog.py"
-        path.write_text(_SANDBOX_PRELUDE + program, encoding="utf-8")
+        path.write_text(f"{_SANDBOX_PRELUDE}{program}\nprint({nonce!r})\n", encoding="utf-8")
         # Minimal env: no proxies, no PYTHON* variables, HOME/TMP inside the scratch dir.
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": d, "TMPDIR": d,
                "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", "LANG": "C.UTF-8"}
@@ -186,7 +190,7 @@ def run_program(program: str, timeout: float = 10.0) -> tuple[bool, str]:
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, start_new_session=True)
         try:
-            _, err = proc.communicate(timeout=timeout)
+            out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             # Kill the whole session so forked children cannot outlive the check.
             try:
@@ -196,7 +200,9 @@ def run_program(program: str, timeout: float = 10.0) -> tuple[bool, str]:
             proc.communicate()
             return False, f"timeout after {timeout:g}s"
     if proc.returncode == 0:
-        return True, "passed"
+        if nonce.encode() in out:
+            return True, "passed"
+        return False, "exited before the tests finished"
     lines = err.decode("utf-8", "replace").strip().splitlines()
     return False, (lines[-1][:200] if lines else f"exit code {proc.returncode}")
 

@@ -134,7 +134,7 @@ def run_speed(*, model, new_tokens, batches, ns, context, hf, json_out, console:
         out = engine.generate(prompts, params, concurrency=b)
         s = engine.last_stats
         decode_tps = s.new_tokens / s.wall_s
-        step_ms = s.decode_s / max(s.decode_steps, 1) * 1e3
+        step_ms = s.decode_s / max(s.rounds, 1) * 1e3
         # The floor is per step; a batch shares one read of the weights.
         row = {"batch": b, "tokens_per_s": decode_tps, "step_ms": step_ms,
                "floor_fraction": floor_ms / step_ms, "warmup_s": warm}

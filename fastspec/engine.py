@@ -18,7 +18,9 @@ from typing import Callable, Sequence as Seq
 import torch
 
 from fastspec.config import FastspecError
+from fastspec.draft import has_adapter
 from fastspec.kv_cache import KVCache
+from fastspec.methods import Method, get_method
 from fastspec.layout import cache_mask, causal_block
 from fastspec.sampling import SamplerState, SamplingParams, sample_tokens
 
@@ -43,6 +45,8 @@ class Sequence:
     slot: int = -1
     finish_reason: str | None = None
     rounds: int = 0                 # decode rounds (AR: one token each)
+    accept_lengths: list[int] = field(default_factory=list)   # tokens committed per round
+    forwards: int = 0               # forwards this request took part in (prefill included)
     t_submit: float = 0.0
     t_first: float = 0.0
     t_done: float = 0.0
@@ -62,6 +66,8 @@ class Completion:
     rounds: int
     ttft_s: float
     latency_s: float
+    accept_lengths: list[int] = field(default_factory=list)
+    forwards: int = 0
 
     @property
     def tau(self) -> float:
@@ -74,7 +80,7 @@ class RunStats:
     requests: int = 0
     new_tokens: int = 0
     forwards: int = 0
-    decode_steps: int = 0
+    rounds: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
     wall_s: float = 0.0
@@ -83,9 +89,12 @@ class RunStats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / max(self.wall_s, 1e-9)
 
+    request_forwards: int = 0       # summed over requests: forwards each request took part in
+
     @property
     def tokens_per_forward(self) -> float:
-        return self.new_tokens / max(self.forwards, 1)
+        """Tokens a request gains per forward it takes part in (AR: 1.0)."""
+        return self.new_tokens / max(self.request_forwards, 1)
 
 
 class Scheduler:
@@ -134,7 +143,16 @@ class Engine:
         self.cache: KVCache | None = None
         self._decode_forward: Callable | None = None
         self.warmup_s = 0.0
-        self.last_stats = RunStats()
+        self._warm: set = set()
+        self.last_stats = self.stats = RunStats()
+        self.sampler: SamplerState | None = None
+        self.round_width = 1
+        self.name = getattr(loaded, "name", "this model")
+
+
+    @property
+    def mask_token_id(self) -> int | None:
+        return self.model.mask_token_id
 
     # --- set-up -----------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -158,21 +176,36 @@ class Engine:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return "\n".join(m["content"] for m in messages) + "\n"
 
-    def prepare(self, num_slots: int, need_len: int) -> None:
+    def prepare(self, num_slots: int, need_len: int, method: Method | None = None) -> None:
         """Allocate the KV cache and (re)build the decode forward for these static shapes."""
         if need_len > self.max_context:
             raise FastspecError(
                 f"prompt plus --max-new-tokens needs {need_len} positions but the context is "
                 f"{self.max_context}: shorten the prompt or lower --max-new-tokens")
         max_len = min(-(-need_len // CTX_ALIGN) * CTX_ALIGN, self.max_context)
-        if self.cache is not None and self.cache.num_slots == num_slots and self.cache.max_len >= max_len:
+        key = (num_slots, method.name if method else None, method.max_block() if method else 0)
+        if (self.cache is not None and self.cache.num_slots == num_slots
+                and self.cache.max_len >= max_len and key in self._warm):
             self.warmup_s = 0.0
             return
+        self._warm.add(key)
+        if self.cache is not None and self.cache.num_slots == num_slots and self.cache.max_len >= max_len:
+            self.warmup_s = self.warm_up(method or get_method("ar"))
+            return
         self.cache = KVCache(self.cfg, num_slots, max_len, self.dtype, self.device)
+        self.warmup_s = self.warm_up(method or get_method("ar"))
+
+    def warm_up(self, method: Method) -> float:
+        """Run one round on dummy slots so compilation happens before timing starts."""
         t0 = time.perf_counter()
-        self._decode(torch.zeros(num_slots, dtype=torch.long, device=self.device),
-                     torch.zeros(num_slots, dtype=torch.long, device=self.device))
-        self.warmup_s = time.perf_counter() - t0
+        S = self.cache.num_slots
+        self.sampler = SamplerState(S, self.device)
+        self.stats = RunStats()
+        self.cache.lengths.fill_(1)
+        blocks = torch.full((S,), method.max_block(), dtype=torch.long, device=self.device)
+        method.round(self, torch.zeros(S, dtype=torch.long, device=self.device), blocks)
+        self.cache.lengths.zero_()
+        return time.perf_counter() - t0
 
     def forward_fn(self) -> Callable:
         """The model forward through the backend (compiled once; new shapes compile on first use)."""
@@ -203,25 +236,37 @@ class Engine:
         return logits[:, 0]
 
     @torch.no_grad()
-    def _decode(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """One AR step for every slot: token [S] at column lengths[S]; returns logits [S, V]."""
+    def forward(self, ids: torch.Tensor, block_mask: torch.Tensor,
+                adapter_on: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward of n new tokens for every slot, written after each slot's committed length.
+
+        ids [S, n]; block_mask [n, n] or [S, n, n] among the new tokens (the committed prefix is
+        always visible); adapter_on [S, n]. Returns logits [S, n, V]. Nothing is committed.
+        """
         c = self.cache
-        col = lengths[:, None]
-        mask = cache_mask(lengths, causal_block(1, self.device), c.max_len)
+        lengths = c.lengths
+        cols = lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
+        mask = cache_mask(lengths, block_mask, c.max_len)
         slots = torch.arange(c.num_slots, device=self.device)
-        return self.forward_fn()(tokens[:, None], col, c.k, c.v, col, mask, slots)[:, 0]
+        self.stats.forwards += 1
+        return self.forward_fn()(ids, cols, c.k, c.v, cols, mask, slots, adapter_on)
 
     # --- the loop ---------------------------------------------------------------------------
     def generate(self, prompts: Seq[str | list[int]],
                  sampling: SamplingParams | Seq[SamplingParams] | None = None,
-                 method: str = "ar", concurrency: int = 1,
-                 on_commit: Callable[[int, list[int]], None] | None = None) -> list[Completion]:
-        """Decode every prompt; `on_commit(request_index, new_token_ids)` streams tokens.
+                 method: str | Method = "ar", concurrency: int = 1, block: int | None = None,
+                 on_commit: Callable[[int, list[int], int], None] | None = None) -> list[Completion]:
+        """Decode every prompt with `method` ("ar", "linear", ... or a Method instance).
 
-        `sampling` is one SamplingParams for all prompts or one per prompt.
+        `sampling` is one SamplingParams for all prompts or one per prompt. `on_commit(index,
+        new_token_ids, n_drafted)` streams tokens as rounds commit them; the first `n_drafted`
+        of them were accepted drafts.
         """
-        if method != "ar":
-            raise FastspecError(f"unknown method {method!r} (available: ar)")
+        meth = get_method(method, **({} if block is None else {"block": block}))
+        if meth.needs_adapter and not has_adapter(self.model):
+            raise FastspecError(
+                f"method {meth.name!r} needs a draft adapter and {self.name} has none: train one with "
+                f"`fastspec train-drafter --model {self.name}` or use --method ar")
         if concurrency < 1:
             raise FastspecError(f"--concurrency must be >= 1, got {concurrency}")
         sampling = sampling or SamplingParams()
@@ -232,23 +277,31 @@ class Engine:
         if not seqs:
             return []
         num_slots = batch_bucket(min(concurrency, len(seqs)))
-        self.prepare(num_slots, max(len(s.prompt_ids) + s.params.max_new_tokens for s in seqs))
+        self.round_width = meth.max_block()
+        # Headroom: a round writes up to round_width speculative K/V after the committed length.
+        self.prepare(num_slots, max(len(s.prompt_ids) + s.params.max_new_tokens for s in seqs)
+                     + self.round_width, meth)
         c = self.cache
         c.lengths.zero_()
-        sampler = SamplerState(num_slots, self.device, per_request[0].seed)
-        stats = RunStats(requests=len(seqs))
+        self.sampler = SamplerState(num_slots, self.device, per_request[0].seed)
+        stats = self.stats = RunStats(requests=len(seqs))
         sched = Scheduler(seqs, num_slots)
-        pending = torch.zeros(num_slots, dtype=torch.long, device=self.device)   # next input token
+        pending = torch.zeros(num_slots, dtype=torch.long, device=self.device)   # seeds
         active = torch.zeros(num_slots, dtype=torch.long, device=self.device)    # 1 = slot decoding
+        blocks = torch.full((num_slots,), meth.max_block(), dtype=torch.long, device=self.device)
 
-        def commit(seq: Sequence, token: int, now: float) -> None:
-            seq.output_ids.append(token)
+        def commit(seq: Sequence, tokens: list[int], n_drafted: int, now: float) -> None:
+            for j, token in enumerate(tokens):
+                seq.output_ids.append(token)
+                if token in self.eos_ids and not seq.params.ignore_eos:
+                    seq.finish_reason = "eos"
+                elif len(seq.output_ids) >= seq.params.max_new_tokens:
+                    seq.finish_reason = "length"
+                if seq.finished:
+                    tokens = tokens[: j + 1]
+                    break
             if on_commit is not None:
-                on_commit(seq.index, [token])
-            if token in self.eos_ids and not seq.params.ignore_eos:
-                seq.finish_reason = "eos"
-            elif len(seq.output_ids) >= seq.params.max_new_tokens:
-                seq.finish_reason = "length"
+                on_commit(seq.index, tokens, min(n_drafted, len(tokens)))
             if seq.finished:
                 seq.t_done = now
                 sched.retire(seq)
@@ -263,8 +316,9 @@ class Engine:
                 t0 = time.perf_counter()
                 slots = torch.tensor([s.slot for s in admitted], device=self.device)
                 for s in admitted:
-                    sampler.set(s.slot, s.params)
-                first = sample_tokens(self._prefill(admitted), sampler, slots)
+                    self.sampler.set(s.slot, s.params)
+                    blocks[s.slot] = meth.block_for(s)
+                first = sample_tokens(self._prefill(admitted), self.sampler, slots)
                 pending[slots] = first
                 active[slots] = 1
                 stats.forwards += 1
@@ -272,24 +326,28 @@ class Engine:
                 stats.prefill_s += now - t0
                 for s, tok in zip(admitted, first.tolist()):
                     s.t_first = now
-                    commit(s, tok, now)
+                    s.forwards += 1
+                    commit(s, [tok], 0, now)
             if not sched.running:
                 continue
             t0 = time.perf_counter()
-            logits = self._decode(pending, c.lengths)
-            pending = sample_tokens(logits, sampler)
-            c.lengths += active          # the input token's K/V is now part of the prefix
-            stats.forwards += 1
-            stats.decode_steps += 1
-            host_tokens = pending.tolist()
+            out = meth.round(self, pending, blocks)
+            c.lengths += out.n_emitted * active        # the seed and accepted drafts join the prefix
+            pending = out.emitted.gather(1, (out.n_emitted - 1)[:, None])[:, 0]   # last = next seed
+            stats.rounds += 1
+            emitted, n_emitted, n_drafted = (out.emitted.tolist(), out.n_emitted.tolist(),
+                                             out.n_drafted.tolist())
             now = time.perf_counter()
             stats.decode_s += now - t0
             for slot, seq in list(sched.running.items()):
                 seq.rounds += 1
-                commit(seq, host_tokens[slot], now)
+                seq.forwards += out.forwards
+                seq.accept_lengths.append(n_emitted[slot])
+                commit(seq, emitted[slot][: n_emitted[slot]], n_drafted[slot], now)
         stats.wall_s = time.perf_counter() - t_start
         stats.new_tokens = sum(len(s.output_ids) for s in seqs)
+        stats.request_forwards = sum(s.forwards for s in seqs)
         self.last_stats = stats
         return [Completion(s.index, s.prompt_ids, s.output_ids, self.decode(s.output_ids),
                            s.finish_reason or "length", s.rounds, s.t_first - s.t_submit,
-                           s.t_done - s.t_submit) for s in seqs]
+                           s.t_done - s.t_submit, s.accept_lengths, s.forwards) for s in seqs]

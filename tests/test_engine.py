@@ -7,7 +7,7 @@ import torch
 from conftest import EOS, tiny_loaded
 from fastspec.config import FastspecError
 from fastspec.engine import Engine
-from fastspec.layout import cache_mask, causal_block
+from fastspec.layout import causal_block
 from fastspec.sampling import SamplingParams
 
 
@@ -33,7 +33,7 @@ def test_continuous_batching_stress_every_request_completes_once(tiny):
     params = [SamplingParams(max_new_tokens=rng.randrange(1, 24)) for _ in prompts]
     streamed = {i: [] for i in range(len(prompts))}
     out = engine.generate(prompts, params, concurrency=8,
-                          on_commit=lambda i, ids: streamed[i].extend(ids))
+                          on_commit=lambda i, ids, _: streamed[i].extend(ids))
     assert [c.index for c in out] == list(range(64))
     for c, p, sp in zip(out, prompts, params):
         assert c.prompt_ids == p
@@ -66,18 +66,15 @@ def test_uncommitted_speculative_kv_leaves_later_outputs_unchanged(tiny):
     reference = engine.generate([prompt], params)[0].token_ids
 
     calls = {"n": 0}
-    original = engine._decode
+    original = engine.forward
 
-    def decode_with_garbage(tokens, lengths):
+    def forward_after_garbage(ids, block_mask, adapter_on=None):
         calls["n"] += 1
-        c = engine.cache
-        garbage = torch.randint(3, 512, (c.num_slots, 6))
-        cols = lengths[:, None] + torch.arange(6)
-        mask = cache_mask(lengths, causal_block(6), c.max_len)
-        engine.model(garbage, cols, c.k, c.v, cols, mask, torch.arange(c.num_slots))
-        return original(tokens, lengths)
+        garbage = torch.randint(3, 512, (ids.shape[0], 6))
+        original(garbage, causal_block(6))            # writes K/V after every slot's prefix
+        return original(ids, block_mask, adapter_on)
 
-    engine._decode = decode_with_garbage
+    engine.forward = forward_after_garbage
     assert engine.generate([prompt], params)[0].token_ids == reference
     assert calls["n"] >= 15
 

@@ -137,11 +137,12 @@ class LlamaModel(nn.Module):
         return self.embed if self.lm_head is None else self.lm_head
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed)
-        if self.mask_embed is not None:
-            is_mask = (input_ids == self.mask_token_id)[..., None]
-            x = torch.where(is_mask, self.mask_embed.to(x.dtype), x)
-        return x
+        if self.mask_embed is None:
+            return F.embedding(input_ids, self.embed)
+        # The MASK id may lie one past the vocab (no text can produce it): clamp for the lookup.
+        x = F.embedding(input_ids.clamp(max=self.embed.shape[0] - 1), self.embed)
+        is_mask = (input_ids == self.mask_token_id)[..., None]
+        return torch.where(is_mask, self.mask_embed.to(x.dtype), x)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, write_cols: torch.Tensor, mask: torch.Tensor,

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,13 +82,20 @@ def _smollm2_dir() -> Path:
         return final
     gguf_path = _smollm2_gguf()
     final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(".smollm2-135m.tmp-*"):   # left by a killed conversion
+        if time.time() - stale.stat().st_mtime > 3600:
+            shutil.rmtree(stale, ignore_errors=True)
     # Write into a temp dir and rename it into place: a crash never leaves a half-written model
     # under the final name, and a concurrent conversion simply loses the race.
     tmp = Path(tempfile.mkdtemp(prefix=".smollm2-135m.tmp-", dir=final.parent))
     try:
         cfg, sd, meta = _read_gguf(gguf_path)
         model = _build(cfg, sd, torch.float32, "cpu", None)
-        write_hf_checkpoint(model, tmp, tokenizer=_gguf_tokenizer(gguf_path, meta))
+        tokenizer = _gguf_tokenizer(gguf_path, meta)
+        tokenizer.model_max_length = cfg.max_position_embeddings   # GGUF has no such field
+        write_hf_checkpoint(model, tmp, tokenizer=tokenizer)
+        for f in [tmp, *tmp.iterdir()]:   # mkdtemp (and safetensors) create owner-only files
+            f.chmod(0o755 if f.is_dir() else 0o644)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -112,6 +120,8 @@ def resolve_checkpoint(name_or_path: str) -> str:
     """A local directory or .gguf file for a path, built-in name or Hub repo id."""
     name = str(name_or_path)
     p = Path(name).expanduser()
+    if p.is_file() and p.suffix in (".safetensors", ".json"):   # a file inside an HF directory
+        p = p.parent
     if p.exists():
         if p.is_dir() and not (p / "config.json").is_file():
             ggufs = sorted(p.glob("*.gguf"))

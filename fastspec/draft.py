@@ -1,0 +1,115 @@
+"""The draft adapter: what turns an AR backbone into a self-speculative drafter.
+
+LoRA on the attention projections plus a learned MASK embedding, switched on per token by the
+model's `adapter_on` flag (draft tokens) and off for everything the verifier sees, so verification
+is exactly the base model. Stored as `adapter.safetensors` + `adapter_config.json` in a `draft/`
+folder beside (or inside) the checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from fastspec.config import FastspecError
+from fastspec.model.llama import LlamaModel, LoRA
+
+ADAPTER_FILE = "adapter.safetensors"
+CONFIG_FILE = "adapter_config.json"
+
+
+@dataclass
+class AdapterConfig:
+    rank: int = 32
+    alpha: float = 64.0
+    targets: tuple[str, ...] = ("q", "k", "v", "o")
+    mask_token_id: int = -1          # -1: one past the vocab (a token no text can contain)
+    block_size: int = 16             # trained block size
+    meta: dict = field(default_factory=dict)   # training recipe, data, steps: for provenance
+
+
+def attach_adapter(model: LlamaModel, cfg: AdapterConfig, seed: int = 0) -> LlamaModel:
+    """Add fresh LoRA modules (B = 0, so the adapter starts as the identity) and a MASK embedding."""
+    mcfg = model.cfg
+    if cfg.mask_token_id < 0:
+        cfg.mask_token_id = mcfg.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    dims = {"q": (mcfg.hidden_size, mcfg.num_heads * mcfg.head_dim),
+            "k": (mcfg.hidden_size, mcfg.num_kv_heads * mcfg.head_dim),
+            "v": (mcfg.hidden_size, mcfg.num_kv_heads * mcfg.head_dim),
+            "o": (mcfg.num_heads * mcfg.head_dim, mcfg.hidden_size)}
+    unknown = set(cfg.targets) - set(dims)
+    if unknown:
+        raise FastspecError(f"unknown adapter targets {sorted(unknown)} (choose among q, k, v, o)")
+    ref = model.embed
+    for blk in model.layers:
+        loras = nn.ModuleDict()
+        for t in cfg.targets:
+            lora = LoRA(*dims[t], rank=cfg.rank, alpha=cfg.alpha)
+            with torch.no_grad():
+                lora.A.copy_(torch.randn(lora.A.shape, generator=g) / dims[t][0] ** 0.5)
+            loras[t] = lora
+        blk.attn.lora = loras.to(ref.device, ref.dtype)
+    # The MASK embedding starts at the mean token embedding: a neutral "some token" input.
+    model.mask_embed = nn.Parameter(ref.detach().mean(0).clone())
+    model.mask_token_id = cfg.mask_token_id
+    model.adapter_config = cfg
+    return model
+
+
+def adapter_state(model: LlamaModel) -> dict[str, torch.Tensor]:
+    sd = {"mask_embed": model.mask_embed.detach()}
+    for i, blk in enumerate(model.layers):
+        for t, lora in (blk.attn.lora or {}).items():
+            sd[f"layers.{i}.{t}.A"] = lora.A.detach()
+            sd[f"layers.{i}.{t}.B"] = lora.B.detach()
+    return sd
+
+
+def adapter_parameters(model: LlamaModel) -> list[nn.Parameter]:
+    params = [model.mask_embed]
+    for blk in model.layers:
+        params += list(blk.attn.lora.parameters()) if blk.attn.lora is not None else []
+    return params
+
+
+def save_adapter(model: LlamaModel, directory: str) -> None:
+    cfg: AdapterConfig = model.adapter_config
+    os.makedirs(directory, exist_ok=True)
+    save_file({k: v.float().contiguous() for k, v in adapter_state(model).items()},
+              os.path.join(directory, ADAPTER_FILE))
+    with open(os.path.join(directory, CONFIG_FILE), "w") as f:
+        json.dump(asdict(cfg), f, indent=1)
+
+
+def load_adapter(model: LlamaModel, directory: str) -> AdapterConfig:
+    cfg_path, w_path = os.path.join(directory, CONFIG_FILE), os.path.join(directory, ADAPTER_FILE)
+    if not (os.path.exists(cfg_path) and os.path.exists(w_path)):
+        raise FastspecError(f"no draft adapter in {directory} (expected {CONFIG_FILE} and {ADAPTER_FILE})")
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+        cfg = AdapterConfig(**{**raw, "targets": tuple(raw.get("targets", ("q", "k", "v", "o")))})
+        sd = load_file(w_path)
+    except Exception as e:  # corrupt file: one line for the user
+        raise FastspecError(f"cannot read draft adapter in {directory}: {e}") from None
+    attach_adapter(model, cfg)
+    with torch.no_grad():
+        try:
+            model.mask_embed.copy_(sd["mask_embed"])
+            for i, blk in enumerate(model.layers):
+                for t, lora in blk.attn.lora.items():
+                    lora.A.copy_(sd[f"layers.{i}.{t}.A"])
+                    lora.B.copy_(sd[f"layers.{i}.{t}.B"])
+        except (KeyError, RuntimeError) as e:
+            raise FastspecError(f"draft adapter in {directory} does not fit this model: {e}") from None
+    model.requires_grad_(False)
+    return cfg
+
+
+def has_adapter(model: LlamaModel) -> bool:
+    return model.mask_embed is not None

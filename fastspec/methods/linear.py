@@ -1,0 +1,76 @@
+"""LinearSS: the backbone drafts a block in diffusion mode, then verifies it autoregressively.
+
+Draft forward, block size b (here b = 4), seed s at position L:
+
+    tokens      s   M   M   M          adapter: off on on on
+    attends     s | s M M M | ...      (seed causal; masks see the prefix, the seed and each other)
+    predicts    d1  d2  d3  d4         (token shift: position i predicts the token at L+i+1)
+
+The seed never sees the masks and runs without the adapter, so d1 is exactly the verifier's next
+token: every round commits at least 2 tokens under greedy decoding.
+
+Verify forward: `s d1 d2 d3`, causal, adapter off (the base model), then `accept_chain`.
+Rows with a smaller block than the batch's widest are padded with masks nobody attends to.
+"""
+from __future__ import annotations
+
+import torch
+
+from fastspec.config import FastspecError
+from fastspec.layout import causal_block
+from fastspec.methods.base import Method, RoundOutput
+from fastspec.sampling import filtered_logprobs, sample_tokens
+from fastspec.verify import accept_chain
+
+BLOCK_SIZES = (4, 8, 16, 32)
+
+
+def draft_block_mask(blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """[S, n, n] draft attention among new tokens; row s uses the first blocks[s] positions.
+
+    blocks = [3], n = 4:   s M M .
+                       s  1 0 0 0
+                       M  1 1 1 0
+                       M  1 1 1 0
+                       .  1 0 0 1   (padding: sees itself only, so it cannot produce NaNs)
+    """
+    i = torch.arange(n, device=blocks.device)
+    valid = i[None, :] < blocks[:, None]                               # [S, n] key is in the block
+    mask = (i[None, :, None] > 0) & valid[:, None, :]                  # masks see the whole block
+    mask = mask & valid[:, :, None]
+    eye = torch.eye(n, dtype=torch.bool, device=blocks.device)
+    return mask | eye[None]                                            # the seed sees itself
+
+
+class LinearSS(Method):
+    name = "linear"
+    needs_adapter = True
+
+    def __init__(self, block: int = 16):
+        if block not in BLOCK_SIZES:
+            raise FastspecError(f"--block must be one of {BLOCK_SIZES}, got {block}")
+        super().__init__(block)
+        self.last_confidence: torch.Tensor | None = None      # [S, n] top-1 draft probability
+        self.last_margin: torch.Tensor | None = None          # [S, n] top-1 minus top-2
+
+    def draft(self, engine, pending: torch.Tensor, blocks: torch.Tensor, n: int):
+        """Draft forward: returns drafts [S, n] and the drafter's filtered log-probs [S, n, V]."""
+        S = pending.shape[0]
+        ids = torch.full((S, n), engine.mask_token_id, dtype=torch.long, device=pending.device)
+        ids[:, 0] = pending
+        adapter_on = torch.arange(n, device=pending.device)[None, :].expand(S, n) > 0
+        logits = engine.forward(ids, draft_block_mask(blocks, n), adapter_on=adapter_on)
+        s = engine.sampler
+        logp = filtered_logprobs(logits, s.temperature[:S], s.top_k[:S], s.top_p[:S], s.any_filtered)
+        top2 = logits.float().softmax(-1).topk(2, dim=-1).values
+        self.last_confidence, self.last_margin = top2[..., 0], top2[..., 0] - top2[..., 1]
+        return sample_tokens(logits, s), logp
+
+    def round(self, engine, pending, blocks) -> RoundOutput:
+        n = engine.round_width
+        drafts, draft_logp = self.draft(engine, pending, blocks, n)
+        verify_ids = torch.cat([pending[:, None], drafts[:, : n - 1]], dim=1)
+        target_logits = engine.forward(verify_ids, causal_block(n, pending.device))
+        emitted, n_emitted, accepted = accept_chain(drafts, target_logits, blocks, engine.sampler,
+                                                    draft_logp if engine.sampler.any_sampled else None)
+        return RoundOutput(emitted, n_emitted, accepted, forwards=2)

