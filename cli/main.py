@@ -81,16 +81,23 @@ def cli():
 @cli.command()
 @model_options
 @sampling_options
-@click.option("--method", default="ar", show_default=True, help="Decoding method (ar).")
+@click.option("--method", default="ar", show_default=True,
+              help="Decoding method: ar (plain autoregressive) or linear (self-speculative: draft a "
+                   "block, verify it; accepted draft tokens are shown in green).")
+@click.option("--block", type=int, default=16, show_default=True,
+              help="Draft block size for speculative methods (4, 8, 16 or 32).")
 @click.option("--prompt", "-p", default=None, help="Answer this one prompt and exit.")
 @click.option("--system", default=None, help="System message (default: the chat template's).")
 @user_errors
-def chat(model, dtype, backend, max_new_tokens, temperature, top_p, top_k, seed, method, prompt, system):
+def chat(model, dtype, backend, max_new_tokens, temperature, top_p, top_k, seed, method, block,
+         prompt, system):
     """Chat with the model; tokens stream as they are committed."""
     from fastspec.sampling import SamplingParams
     params = SamplingParams(temperature, top_k, top_p, max_new_tokens, seed)
     if prompt is not None and not prompt.strip():
         raise FastspecError("empty prompt: give --prompt some text")
+    from fastspec.methods import get_method
+    get_method(method, block=block)          # a bad name or block fails before loading
     engine = load_engine(model, dtype, backend)
     history: list[dict] = [{"role": "system", "content": system}] if system else []
 
@@ -100,18 +107,22 @@ def chat(model, dtype, backend, max_new_tokens, temperature, top_p, top_k, seed,
         shown: list[int] = []
         printed = ""
 
-        def stream(_, new_ids):
+        def stream(_, new_ids, n_drafted):
+            # Accepted draft tokens in green, the verifier's own tokens plain.
             nonlocal printed
+            drafted = engine.decode(shown + new_ids[:n_drafted]) or ""
             shown.extend(new_ids)
             full = engine.decode(shown) or ""
-            console.print(full[len(printed):], end="", highlight=False, markup=False)
+            console.print(drafted[len(printed):], end="", style="green", highlight=False, markup=False)
+            console.print(full[max(len(drafted), len(printed)):], end="", highlight=False, markup=False)
             printed = full
 
-        out = engine.generate([text], params, method=method, on_commit=stream)[0]
+        out = engine.generate([text], params, method=method, block=block, on_commit=stream)[0]
         console.print()
         s = engine.last_stats
         err_console.print(f"[dim]{len(out.token_ids)} tokens, {s.tokens_per_s:.1f} tok/s, "
-                          f"{s.tokens_per_forward:.2f} tokens/forward, warm-up {engine.warmup_s:.1f}s[/]")
+                          f"{s.tokens_per_forward:.2f} tokens/forward, τ {out.tau:.2f}, "
+                          f"warm-up {engine.warmup_s:.1f}s[/]")
         history.append({"role": "assistant", "content": out.text or ""})
 
     if prompt is not None:

@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fastspec.config import FastspecError
+
 from .suites import BENCHES, canonical_name
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-class DataNotFound(LookupError):
+class DataNotFound(FastspecError, LookupError):
     """No source could provide the benchmark; the message is a single line."""
 
 

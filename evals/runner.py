@@ -144,7 +144,7 @@ def _run_one(engine, texts, params, method, concurrency, console):
                                  info="warming up")
         count = 0
 
-        def on_commit(_, ids):
+        def on_commit(_, ids, __):
             nonlocal count
             count += len(ids)
             if count % 16 == 0:

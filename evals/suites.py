@@ -1,6 +1,8 @@
 """Benchmark names, suites and per-suite generation budgets."""
 from __future__ import annotations
 
+from fastspec.config import FastspecError
+
 # Every benchmark we can load, prompt and score, in display order.
 BENCHES = ["gsm8k", "math500", "aime25", "aime24", "humaneval", "mbpp", "lcb", "gpqa", "ifeval"]
 
@@ -26,7 +28,7 @@ ALIASES = {"lcb*": "lcb", "leetcode_contest": "lcb", "livecodebench": "lcb",
            "aime2025": "aime25", "aime2024": "aime24"}
 
 
-class UnknownBenchmark(ValueError):
+class UnknownBenchmark(FastspecError, ValueError):
     """Unknown suite or benchmark name; the message is one line listing valid names."""
 
 

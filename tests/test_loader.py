@@ -69,7 +69,7 @@ def test_sharded_and_dtype(hf_dir, tmp_path):
 
 def test_tiny_random():
     a, b = load_model("tiny-random"), load_model("tiny-random:1", dtype=torch.float16)
-    assert a.tokenizer is None and a.path is None and a.cfg.vocab_size == 512
+    assert a.tokenizer is not None and a.path is None and a.cfg.vocab_size == 512
     assert b.model.embed.dtype == torch.float16
     assert not torch.equal(a.model.embed, b.model.embed.float())
     assert torch.equal(load_model("tiny-random").model.embed, a.model.embed)

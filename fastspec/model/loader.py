@@ -43,6 +43,7 @@ class LoadedModel:
     name: str
     path: str | None
     chat_template: str | None
+    adapter_path: str | None = None
 
 
 def _first_line(e: BaseException) -> str:
@@ -397,9 +398,36 @@ def write_hf_checkpoint(model: LlamaModel, directory, tokenizer=None,
     return d
 
 
+def find_adapter(name: str, path: Path | None) -> Path | None:
+    """Where this checkpoint's draft adapter lives: `draft/` beside the weights, else the one
+    shipped in the package for a built-in name."""
+    candidates = []
+    if path is not None:
+        base = path if path.is_dir() else path.parent
+        candidates.append(base / "draft")
+    candidates.append(Path(__file__).resolve().parent.parent / "adapters" / name / "draft")
+    return next((c for c in candidates if (c / "adapter_config.json").exists()), None)
+
+
 def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
-               device="cpu", max_positions: int | None = None) -> LoadedModel:
-    """Load a model by built-in name, HF directory, .gguf file or Hub repo id."""
+               device="cpu", max_positions: int | None = None, adapter: str | None = "auto") -> LoadedModel:
+    """Load a model by built-in name, HF directory, .gguf file or Hub repo id.
+
+    adapter: "auto" loads the checkpoint's draft adapter when there is one, None skips it,
+    a directory loads that adapter.
+    """
+    loaded = _load_base(name_or_path, dtype, device, max_positions)
+    where = find_adapter(loaded.name, Path(loaded.path) if loaded.path else None) \
+        if adapter == "auto" else (Path(adapter) if adapter else None)
+    if where is not None:
+        from fastspec.draft import load_adapter
+        load_adapter(loaded.model, str(where))
+        loaded.model.to(_as_dtype(dtype))
+        loaded.adapter_path = str(where)
+    return loaded
+
+
+def _load_base(name_or_path, dtype, device, max_positions) -> LoadedModel:
     name = str(name_or_path)
     dt = _as_dtype(dtype)
     if name == "tiny-random" or name.startswith("tiny-random:"):
@@ -409,7 +437,10 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fl
         cfg = tiny_random_config()
         model = LlamaModel(cfg, max_positions=max_positions).init_random(int(seed or 0))
         model = model.to(dt).to(device).eval().requires_grad_(False)
-        return LoadedModel(model, None, cfg, name, None, None)
+        # A byte-level tokenizer with a chat template, so the whole text path runs on it.
+        from fastspec.model.byte_tokenizer import byte_tokenizer
+        tok = byte_tokenizer()
+        return LoadedModel(model, tok, cfg, name, None, tok.chat_template)
     path = Path(resolve_checkpoint(name))
     if path.is_file():
         cfg, sd, meta = _read_gguf(path)

@@ -1,0 +1,125 @@
+"""Compiled forward for the engine: torch.compile (inductor, static shapes) + a packed skinny GEMM.
+
+    fwd = compile_forward(model)            # same call signature as model.forward
+    logits = fwd(input_ids, positions, k_cache, v_cache, write_cols, mask, slots)
+
+What "compile" does (the fastest path measured on a 2-core AVX-512 CPU, fp32; see
+/tmp/perf_report.md of the investigation):
+  * dynamo captures model.forward once per input shape (dynamic=False, fullgraph);
+  * a small FX pass swaps every F.linear whose weight is a base-model weight (wqkv, wo, w_gate_up,
+    w_down, the LM head) for `fastspec::skinny_linear` on a copy of that weight packed into
+    32-column panels (graphs/kernels.py); everything else (norms, RoPE, KV-cache writes, SDPA,
+    LoRA linears, embedding) is left to inductor, which fuses the pointwise work and writes the
+    KV cache in place;
+  * inductor compiles the result (its FX-graph cache lives under FASTSPEC_CACHE).
+
+The packed copies are a snapshot taken in compile_forward (+~1x weight memory): call it after the
+weights are loaded, and again if base weights change. Draft-adapter weights (LoRA, MASK embedding)
+are not packed, so training them and calling the compiled forward stays consistent. The compiled
+forward always runs under no_grad (it is an inference path; train with the eager model).
+Without AVX-512 (or a C++ compiler) "compile" falls back to plain inductor.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphs import kernels
+
+# Parameter names (suffixes) of the weights that get packed: the big per-token streams.
+PACKED_SUFFIXES = ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down", "lm_head", "embed")
+
+
+def setup_inductor_cache() -> None:
+    """Point inductor's on-disk caches at $FASTSPEC_CACHE/inductor (default ~/.cache/fastspec)."""
+    root = os.environ.get("FASTSPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fastspec")
+    path = os.path.join(root, "inductor")
+    os.makedirs(path, exist_ok=True)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", path)
+    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+
+
+def _pack_model(model: nn.Module) -> dict[int, tuple[torch.Tensor, int]]:
+    """id(param) -> (packed panels, out_features) for the base weights."""
+    packed = {}
+    for name, p in model.named_parameters():
+        if (name.endswith(PACKED_SUFFIXES) and "lora" not in name and p.dim() == 2
+                and p.dtype == torch.float32 and p.device.type == "cpu"):
+            packed[id(p)] = (kernels.pack_weight(p), p.shape[0])
+    return packed
+
+
+def _skinny_backend(packed: dict[int, tuple[torch.Tensor, int]]):
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        source = {n: ex for n, ex in zip(placeholders, example_inputs)}
+
+        def weight_of(node):
+            if not isinstance(node, torch.fx.Node):
+                return None
+            if node.op == "placeholder":
+                return source.get(node)
+            if node.op == "get_attr":
+                obj = gm
+                for part in node.target.split("."):
+                    obj = getattr(obj, part, None)
+                return obj
+            return None
+
+        count = 0
+        for node in list(gm.graph.nodes):
+            if node.op != "call_function" or node.target not in (F.linear, torch._C._nn.linear):
+                continue
+            args = list(node.args) + [None] * (3 - len(node.args))
+            x, w = args[0], node.kwargs.get("weight", args[1])
+            bias = node.kwargs.get("bias", args[2])
+            entry = packed.get(id(weight_of(w)))
+            if entry is None:
+                continue
+            attr = f"_fastspec_packed_{count}"
+            gm.register_buffer(attr, entry[0])
+            with gm.graph.inserting_before(node):
+                pw = gm.graph.get_attr(attr)
+                y = gm.graph.call_function(torch.ops.fastspec.skinny_linear, (x, pw, entry[1]))
+                if bias is not None:
+                    y = gm.graph.call_function(torch.add, (y, bias))
+            node.replace_all_uses_with(y)
+            gm.graph.erase_node(node)
+            count += 1
+        gm.graph.lint()
+        gm.recompile()
+        return compile_fx(gm, example_inputs)
+
+    return backend
+
+
+def compile_forward(model: nn.Module, mode: str = "compile") -> Callable:
+    """A callable with model.forward's signature returning logits.
+
+    mode "eager": model.forward itself. "compile": packed skinny GEMMs + inductor (see module
+    doc). "inductor": plain torch.compile, no custom kernel (the fallback path).
+    K/V writes land in the caller's k_cache/v_cache in place, exactly as in eager.
+    """
+    if mode == "eager":
+        return model.forward
+    if mode not in ("compile", "inductor"):
+        raise ValueError(f"unknown compile mode {mode!r}")
+    setup_inductor_cache()
+    if mode == "compile" and kernels.available():
+        backend = _skinny_backend(_pack_model(model))
+    else:
+        backend = "inductor"
+    compiled = torch.compile(model.forward, backend=backend, dynamic=False, fullgraph=True)
+
+    def forward(*args, **kwargs):
+        with torch.no_grad():
+            return compiled(*args, **kwargs)
+
+    forward.compiled = compiled  # type: ignore[attr-defined]
+    return forward

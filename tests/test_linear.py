@@ -1,0 +1,133 @@
+"""LinearSS: diffusion-mode drafting, AR verification — lossless for greedy and for sampling."""
+import random
+
+import pytest
+import torch
+
+from conftest import tiny_loaded
+from fastspec.draft import AdapterConfig, attach_adapter
+from fastspec.engine import Engine
+from fastspec.layout import cache_mask, causal_block
+from fastspec.methods.linear import draft_block_mask
+from fastspec.sampling import SamplerState, SamplingParams, filtered_logprobs
+from fastspec.verify import accept_chain
+
+
+def drafting_engine(seed=0):
+    loaded = tiny_loaded(seed)
+    attach_adapter(loaded.model, AdapterConfig(rank=4), seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    for blk in loaded.model.layers:
+        for lora in blk.attn.lora.values():
+            lora.B.data.copy_(torch.randn(lora.B.shape, generator=g) * 0.1)
+    loaded.model.requires_grad_(False)
+    return Engine(loaded, backend="eager")
+
+
+def random_prompts(n, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randrange(1, 30))] for _ in range(n)]
+
+
+def test_draft_mask_matches_hand_written_matrix():
+    # Row 0: block 3 of width 4; row 1: full block of 4.
+    got = draft_block_mask(torch.tensor([3, 4]), 4).int()
+    want = torch.tensor([
+        [[1, 0, 0, 0],      # seed: itself only (plus the prefix, added by cache_mask)
+         [1, 1, 1, 0],      # masks: the seed and every mask of the block
+         [1, 1, 1, 0],
+         [0, 0, 0, 1]],     # padding: itself only
+        [[1, 0, 0, 0],
+         [1, 1, 1, 1],
+         [1, 1, 1, 1],
+         [1, 1, 1, 1]],
+    ])
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("block, concurrency", [(4, 1), (8, 3), (16, 4), (32, 2)])
+def test_greedy_linear_equals_ar_token_for_token(block, concurrency):
+    engine = drafting_engine()
+    prompts = random_prompts(6, seed=block)
+    params = SamplingParams(max_new_tokens=37)
+    ar = engine.generate(prompts, params, concurrency=concurrency)
+    lin = engine.generate(prompts, params, method="linear", block=block, concurrency=concurrency)
+    assert [c.token_ids for c in lin] == [c.token_ids for c in ar]
+    # The seed sees no mask and runs without the adapter: every round commits >= 2 tokens
+    # (except a last round cut short by max_new_tokens).
+    for c in lin:
+        assert min(c.accept_lengths[:-1], default=2) >= 2
+
+
+def test_seed_prediction_is_exactly_the_verifier_next_token():
+    engine = drafting_engine()
+    cfg = engine.cfg
+    engine.prepare(1, 64)
+    engine.sampler = SamplerState(1)
+    engine.cache.lengths.fill_(5)
+    ids = torch.tensor([[7] + [engine.mask_token_id] * 7])
+    draft = engine.forward(ids, draft_block_mask(torch.tensor([8]), 8),
+                           adapter_on=torch.arange(8)[None] > 0)
+    verify = engine.forward(torch.tensor([[7, 1, 2, 3, 4, 5, 6, 8]]), causal_block(8))
+    assert (draft[:, 0] - verify[:, 0]).abs().max() < 1e-5
+    assert (draft[:, 1:] - verify[:, 1:]).abs().max() > 1e-3
+
+
+def tv(p, q):
+    return 0.5 * (p - q).abs().sum().item()
+
+
+def test_rejection_sampling_preserves_the_target_distribution():
+    """accept_chain on synthetic p, q: the first emitted token follows p exactly."""
+    torch.manual_seed(0)
+    V, n = 6, 4
+    target_logits = torch.randn(n, V) * 1.5
+    draft_logits = torch.randn(n, V) * 1.5          # a deliberately bad drafter
+    p0 = target_logits[0].softmax(-1)
+    distances = []
+    for samples, seed in ((500, 1), (50_000, 2)):
+        sampler = SamplerState(samples, seed=seed)
+        for s in range(samples):
+            pass
+        sampler.temperature.fill_(1.0)
+        sampler.any_sampled = True
+        q = draft_logits.log_softmax(-1).expand(samples, n, V)
+        drafts = torch.multinomial(q[0].exp(), samples, replacement=True,
+                                   generator=torch.Generator().manual_seed(seed)).T    # [samples, n]
+        emitted, n_emitted, _ = accept_chain(drafts, target_logits.expand(samples, n, V),
+                                             torch.full((samples,), n), sampler, q)
+        first = torch.bincount(emitted[:, 0], minlength=V).float() / samples
+        distances.append(tv(first, p0))
+    assert distances[1] < 0.01
+    assert distances[1] < distances[0]
+
+
+def test_speculative_sampling_on_the_model_matches_exact_two_token_law():
+    """End to end: LinearSS sampling gives (x1, x2) with the model's exact joint law."""
+    engine = drafting_engine(seed=1)
+    prompt = [5, 9, 11]
+    params = SamplingParams(temperature=1.0, top_k=4, max_new_tokens=3, seed=3)
+    # Exact law of the first two tokens under top-4 sampling.
+    m = engine.model
+    def next_law(ids):
+        ids = torch.tensor([ids])
+        L = ids.shape[1]
+        k = torch.zeros(m.cfg.num_layers, 1, m.cfg.num_kv_heads, L, m.cfg.head_dim)
+        logits = m(ids, torch.arange(L)[None], k, k.clone(), torch.arange(L)[None],
+                   cache_mask(torch.zeros(1, dtype=torch.long), causal_block(L), L), torch.arange(1))
+        return filtered_logprobs(logits[:, -1], torch.ones(1), torch.tensor([4]), torch.ones(1))[0].exp()
+    p1 = next_law(prompt)
+    exact = torch.zeros(512, 512)
+    for x1 in p1.nonzero()[:, 0].tolist():
+        exact[x1] = p1[x1] * next_law(prompt + [x1])
+    distances = []
+    for n, seed in ((200, 3), (3000, 4)):
+        out = engine.generate([prompt] * n, SamplingParams(temperature=1.0, top_k=4, max_new_tokens=2,
+                                                           seed=seed), method="linear", block=4,
+                              concurrency=128)
+        emp = torch.zeros(512, 512)
+        for c in out:
+            emp[c.token_ids[0], c.token_ids[1]] += 1 / n
+        distances.append(tv(emp, exact))
+    assert distances[1] < 0.06, distances
+    assert distances[1] < distances[0]
