@@ -5,6 +5,7 @@ Every user error becomes one line on stderr and exit code 1 (2 for bad flags, fr
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import click
@@ -12,8 +13,9 @@ from rich.console import Console
 
 from fastspec.config import FastspecError
 
-console = Console(stderr=False)
-err_console = Console(stderr=True)
+# Piped output (CI logs, files) gets wide tables instead of 80 columns of ellipses.
+console = Console(stderr=False, width=None if sys.stdout.isatty() else 160)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 
 def user_errors(fn):
@@ -141,29 +143,60 @@ def chat(model, dtype, backend, max_new_tokens, temperature, top_p, top_k, seed,
 
 @cli.command()
 @model_options
-@sampling_options
-@click.option("--suite", default=None, help="Benchmark suite: math, code, qa, all.")
+@click.option("--suite", default=None, help="Benchmark suite: math (GSM8K, MATH-500, AIME25), code "
+              "(HumanEval, MBPP, LiveCodeBench*), qa (GPQA, IFEval), all. Default: math.")
 @click.option("--bench", "benches", default=None, help="Comma-separated benchmarks, e.g. gsm8k,math500.")
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
               help="Your own prompts: a jsonl file with a 'prompt' (or 'question') field per line.")
 @click.option("--limit", type=int, default=5, show_default=True, help="Problems per benchmark.")
-@click.option("--method", "methods", default="ar", show_default=True, help="Comma-separated methods.")
+@click.option("--method", "methods", default="ar", show_default=True,
+              help="Comma-separated methods to compare, e.g. ar,linear. AR always runs as the reference.")
+@click.option("--block", "blocks", default="16", show_default=True,
+              help="Draft block size(s) for speculative methods; a list (8,16,32) sweeps them.")
 @click.option("--concurrency", default="1", show_default=True,
-              help="Comma-separated numbers of requests decoded together, e.g. 1,4.")
+              help="Comma-separated numbers of requests decoded together, e.g. 1,2,8,32.")
+@click.option("--max-new-tokens", type=int, default=None,
+              help="Generated tokens per request (default: per suite, math/code 256, qa 128).")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="Top-k sampling (0 = off).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None, envvar="FASTSPEC_DATA",
               help="Folder of benchmark jsonl files (env FASTSPEC_DATA).")
+@click.option("--peers", default=None,
+              help="Also run transformers on the same weights and prompts: hf (generate), "
+                   "hf-pld (prompt-lookup assisted generation); comma-separated.")
+@click.option("--no-baseline", is_flag=True, help="Do not run AR as the reference.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
-              help="Write every per-request record and the environment to this JSON file.")
+              help="Write every per-request record, the metrics and the environment to this JSON file.")
+@click.option("--plot", "plot_from", type=click.Path(dir_okay=False), default=None,
+              help="Instead of running: draw PNG plots from a results JSON written by --json.")
 @user_errors
-def bench(model, dtype, backend, max_new_tokens, temperature, top_p, top_k, seed, suite, benches,
-          prompts_file, limit, methods, concurrency, data_dir, json_out):
-    """Run benchmark prompts and report tokens/s, tokens per forward and accuracy."""
+def bench(model, dtype, backend, suite, benches, prompts_file, limit, methods, blocks, concurrency,
+          max_new_tokens, temperature, top_p, top_k, seed, data_dir, peers, no_baseline, json_out,
+          plot_from):
+    """Benchmark decoding methods: τ, tokens/forward, tokens/s, speedup over AR, accuracy.
+
+    \b
+    Examples:
+      fastspec bench --suite math --limit 5
+      fastspec bench --suite all --method ar,linear --limit 3 --concurrency 1,4 --json r.json
+      fastspec bench --plot r.json
+    """
+    if plot_from:
+        from fastspec.evals.report import write_plots
+        out_dir = os.path.splitext(plot_from)[0] + "_plots"
+        for path in write_plots(plot_from, out_dir):
+            console.print(f"wrote {path}")
+        return
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise FastspecError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     from fastspec.evals.runner import run_bench
     run_bench(model=model, dtype=dtype, backend=backend, max_new_tokens=max_new_tokens,
               temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, suite=suite,
-              benches=benches, prompts_file=prompts_file, limit=limit, methods=methods,
-              concurrency=concurrency, data_dir=data_dir, json_out=json_out, console=console,
-              load_engine=load_engine)
+              benches=benches, prompts_file=prompts_file, limit=limit, methods=methods, blocks=blocks,
+              concurrency=concurrency, data_dir=data_dir, json_out=json_out, peers=peers,
+              baseline=not no_baseline, console=console, load_engine=load_engine)
 
 
 @cli.command()

@@ -59,9 +59,13 @@ def hf_model_from(loaded):
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg = loaded.cfg.to_hf()
     hf_cfg = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    hf = AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32)
-    missing, unexpected = hf.load_state_dict(loaded.model.hf_state_dict(), strict=False)
-    assert not [m for m in missing if "rotary" not in m], missing
+    hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+    sd = dict(loaded.model.hf_state_dict())
+    if loaded.cfg.tie_word_embeddings:      # transformers 5 lists a tied head as missing otherwise
+        sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
+    missing, _ = hf.load_state_dict(sd, strict=False)
+    if [m for m in missing if "rotary" not in m]:
+        raise RuntimeError(f"transformers model is missing weights: {missing}")
     return hf.eval()
 
 

@@ -128,6 +128,7 @@ class Engine:
         """loaded: a `fastspec.model.loader.LoadedModel`. backend: compile | eager."""
         if backend not in ("compile", "eager"):
             raise FastspecError(f"unknown backend {backend!r} (choose compile or eager)")
+        self.loaded = loaded
         self.model = loaded.model
         self.cfg = loaded.cfg
         self.tokenizer = loaded.tokenizer

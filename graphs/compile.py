@@ -57,6 +57,14 @@ def _skinny_backend(packed: dict[int, tuple[torch.Tensor, int]]):
     from torch._inductor.compile_fx import compile_fx
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
+        # Work on a copy: dynamo keeps using its own graph after the backend returns.
+        graph, remap = torch.fx.Graph(), {}
+        out = graph.graph_copy(gm.graph, remap)
+        graph.output(out)
+        for old, new in remap.items():
+            if hasattr(old, "_dynamo_source"):
+                new._dynamo_source = old._dynamo_source
+        gm = torch.fx.GraphModule(gm, graph)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         source = {n: ex for n, ex in zip(placeholders, example_inputs)}
 
@@ -72,29 +80,41 @@ def _skinny_backend(packed: dict[int, tuple[torch.Tensor, int]]):
                 return obj
             return None
 
-        count = 0
+        # The packed panels enter as extra graph inputs appended after dynamo's own.
+        extra: list[torch.Tensor] = []
+        extra_nodes: dict[int, torch.fx.Node] = {}
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or node.target not in (F.linear, torch._C._nn.linear):
                 continue
             args = list(node.args) + [None] * (3 - len(node.args))
             x, w = args[0], node.kwargs.get("weight", args[1])
             bias = node.kwargs.get("bias", args[2])
-            entry = packed.get(id(weight_of(w)))
-            if entry is None:
+            key = id(weight_of(w))
+            if key not in packed:
                 continue
-            attr = f"_fastspec_packed_{count}"
-            gm.register_buffer(attr, entry[0])
+            panels, out_features = packed[key]
+            if key not in extra_nodes:
+                with gm.graph.inserting_after(placeholders[-1] if not extra_nodes
+                                              else list(extra_nodes.values())[-1]):
+                    extra_nodes[key] = gm.graph.placeholder(f"fastspec_packed_{len(extra)}")
+                extra_nodes[key].meta["example_value"] = panels
+                extra_nodes[key]._dynamo_source = None  # not a user input: no guards needed
+                extra.append(panels)
             with gm.graph.inserting_before(node):
-                pw = gm.graph.get_attr(attr)
-                y = gm.graph.call_function(torch.ops.fastspec.skinny_linear, (x, pw, entry[1]))
+                y = gm.graph.call_function(torch.ops.fastspec.skinny_linear,
+                                           (x, extra_nodes[key], out_features))
                 if bias is not None:
                     y = gm.graph.call_function(torch.add, (y, bias))
             node.replace_all_uses_with(y)
             gm.graph.erase_node(node)
-            count += 1
         gm.graph.lint()
         gm.recompile()
-        return compile_fx(gm, example_inputs)
+        compiled = compile_fx(gm, list(example_inputs) + extra)
+
+        def run(*args):
+            return compiled(*args, *extra)
+
+        return run
 
     return backend
 

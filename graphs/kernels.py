@@ -102,8 +102,10 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const float* xp = xc.data_ptr<float>();
   const float* pp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; b++) {
+  const int nt = at::get_num_threads();
+#pragma omp parallel for schedule(static) num_threads(nt)
+  for (int64_t b = 0; b < nb; b++) {
+    {
       const float* pb = pp + b * I * 32;
       const int64_t nc = std::min<int64_t>(32, O - b * 32);
       for (int64_t m0 = 0; m0 < M; m0 += 12) {
@@ -111,7 +113,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
         KERNELS[mr](pb, xp + m0 * I, I, yp + m0 * O + b * 32, O, I, nc);
       }
     }
-  });
+  }
   return y;
 }
 
@@ -147,7 +149,8 @@ def available() -> bool:
         build = os.path.join(_build_dir(), name)
         os.makedirs(build, exist_ok=True)
         load_inline(name=name, cpp_sources=[_CPP], functions=None, build_directory=build,
-                    extra_cflags=["-O3", "-mavx512f", "-mavx512dq", "-mfma", "-DNDEBUG"],
+                    extra_cflags=["-O3", "-mavx512f", "-mavx512dq", "-mfma", "-fopenmp", "-DNDEBUG"],
+                    extra_ldflags=["-fopenmp"],
                     is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, missing headers...: the caller falls back to F.linear
         import warnings

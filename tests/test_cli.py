@@ -73,7 +73,8 @@ def test_bench_on_own_prompts_writes_json(tmp_path):
                        "--max-new-tokens", "4", "--concurrency", "1,2", "--json", str(out))
     assert result.exit_code == 0, text
     data = json.loads(out.read_text())
-    assert {r["concurrency"] for r in data["summary"]} == {1, 2}
+    assert {r["concurrency"] for r in data["runs"]} == {1, 2}
+    assert data["metrics"]["by_method"][0]["tau"] is not None
     assert len(data["records"]) == 6
     assert all(r["identical"] for r in data["records"])
     assert data["environment"]["torch"]

@@ -1,0 +1,157 @@
+"""Peers in the same run: transformers `generate` on the engine's exact weights and token ids.
+
+    run_hf_peers(loaded, prompt_ids, params) -> [PeerRun(name, completions, stats), ...]
+
+  hf      greedy `generate`, one prompt at a time (batch 1)
+  hf-pld  assisted generation with prompt lookup (`prompt_lookup_num_tokens=10`), batch 1
+
+Each peer returns `fastspec.engine.Completion`s and a `RunStats`, so the bench runner fills its
+Records for a peer exactly as for an engine method (and compares tokens against AR).
+
+Counting, so τ and tokens/forward mean the same as for the engine:
+  forwards       calls of the HF model's forward (a forward hook on the top module)
+  rounds         forwards - 1: the first forward is the prefill, as in the engine
+  accept_lengths tokens committed by each forward after the first (from a streamer)
+With prompt lookup the prefill forward also verifies a draft, so it can commit more than one
+token; those extra tokens count in τ = (tokens - 1) / rounds but are not in the histogram.
+
+Peers are always batch 1: run them at one concurrency level (their aggregate tok/s is
+sequential throughput).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+
+from fastspec.config import FastspecError
+from fastspec.engine import Completion, RunStats
+from fastspec.sampling import SamplingParams
+
+PEERS = ("hf", "hf-pld")
+PROMPT_LOOKUP_TOKENS = 10
+
+
+@dataclass
+class PeerStats(RunStats):
+    # Time of the untimed warm-up call; the runner's `runs` rows carry a warmup_s as well.
+    warmup_s: float = 0.0
+
+
+class PeerRun(NamedTuple):
+    name: str
+    completions: list[Completion]
+    stats: PeerStats
+
+
+def peer_model(loaded):
+    """A transformers model holding the engine's exact weights."""
+    from fastspec.evals.speed import hf_model_from
+    return hf_model_from(loaded)
+
+
+def default_eos_ids(loaded) -> set[int]:
+    """The engine's stop set: the config's EOS ids plus the tokenizer's."""
+    eos = set(loaded.cfg.eos_token_ids)
+    tok = loaded.tokenizer
+    if tok is not None and tok.eos_token_id is not None:
+        eos.add(tok.eos_token_id)
+    return eos
+
+
+class _Commits:
+    """A transformers streamer that timestamps what each forward commits (the prompt comes first)."""
+
+    def __init__(self):
+        self.seen_prompt = False
+        self.sizes: list[int] = []
+        self.t_first = None
+
+    def put(self, value):
+        if not self.seen_prompt:
+            self.seen_prompt = True
+            return
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        self.sizes.append(int(value.numel()))
+
+    def end(self):
+        pass
+
+
+def run_hf_peers(loaded, prompt_ids: list[list[int]], params: SamplingParams, names=PEERS, *,
+                 hf=None, eos_ids=None, log: Callable[[str], None] | None = None) -> list[PeerRun]:
+    """Decode every token-id prompt with each named peer; [] (with a message) unless greedy.
+
+    prompt_ids: token id lists as the engine encodes them (`engine.encode(text)`), so every
+    method sees the same ids. hf: a prebuilt `peer_model(loaded)` to reuse. eos_ids: the stop
+    set (default: the engine's).
+    """
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    unknown = [n for n in names if n not in PEERS]
+    if unknown:
+        raise FastspecError(f"unknown peer {unknown[0]!r} (choose from {', '.join(PEERS)})")
+    if any(isinstance(p, str) for p in prompt_ids):
+        raise FastspecError("peers take token ids: encode prompts first (engine.encode(text))")
+    if not params.greedy:
+        log(f"skipped peers {', '.join(names)}: only greedy decoding is compared "
+            f"(--temperature {params.temperature} > 0)")
+        return []
+    if not prompt_ids or not names:
+        return []
+    hf = hf if hf is not None else peer_model(loaded)
+    eos = sorted(default_eos_ids(loaded) if eos_ids is None else eos_ids)
+    return [_run_peer(hf, name, prompt_ids, params, eos, loaded.tokenizer) for name in names]
+
+
+def _run_peer(hf, name, prompt_ids, params, eos, tokenizer) -> PeerRun:
+    from transformers import GenerationConfig
+    stop = [] if params.ignore_eos else eos
+    kw = dict(do_sample=False, eos_token_id=stop or None, pad_token_id=eos[0] if eos else 0)
+    if name == "hf-pld":
+        kw["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
+    device = next(hf.parameters()).device
+    forwards = 0
+
+    def count(*_):
+        nonlocal forwards
+        forwards += 1
+
+    def generate(ids, max_new_tokens, streamer=None):
+        x = torch.tensor([ids], device=device)
+        gc = GenerationConfig(max_new_tokens=max_new_tokens, **kw)
+        with torch.no_grad():
+            out = hf.generate(x, attention_mask=torch.ones_like(x), generation_config=gc, streamer=streamer)
+        return out[0, len(ids):].tolist()
+
+    t0 = time.perf_counter()
+    generate(prompt_ids[0], 2)       # first-call overhead stays out of the timed loop
+    stats = PeerStats(requests=len(prompt_ids), warmup_s=time.perf_counter() - t0)
+    hook = hf.register_forward_hook(count)
+    comps = []
+    try:
+        t_start = time.perf_counter()
+        for i, ids in enumerate(prompt_ids):
+            forwards, commits = 0, _Commits()
+            t0 = time.perf_counter()
+            new = generate(ids, params.max_new_tokens, commits)
+            latency = time.perf_counter() - t0
+            ttft = (commits.t_first or t0 + latency) - t0
+            cut = next((j + 1 for j, t in enumerate(new) if t in stop), len(new))
+            new = new[:cut]      # nothing past a stop token, as in the engine
+            comps.append(Completion(
+                i, list(ids), new, None if tokenizer is None else tokenizer.decode(new, skip_special_tokens=True),
+                "eos" if stop and new and new[-1] in stop else "length",
+                max(forwards - 1, 0), ttft, latency, commits.sizes[1:], forwards))
+            stats.prefill_s += ttft
+            stats.decode_s += latency - ttft
+        stats.wall_s = time.perf_counter() - t_start
+    finally:
+        hook.remove()
+    stats.new_tokens = sum(len(c.token_ids) for c in comps)
+    stats.forwards = stats.request_forwards = sum(c.forwards for c in comps)
+    stats.rounds = sum(c.rounds for c in comps)
+    return PeerRun(name, comps, stats)

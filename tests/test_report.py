@@ -1,0 +1,123 @@
+"""Report metrics on a hand-made run, the results file round trip, tables and plots."""
+import json
+
+import pytest
+from rich.console import Console
+
+from fastspec.config import FastspecError
+from fastspec.evals.report import (accuracy_table, figure5_table, load_results, lookup, metrics,
+                                   pareto_optimal, table2, write_plots)
+
+
+def rec(bench, method, c, n, accept, latency, ttft=0.1, correct=None, identical=True, forwards=True):
+    r = {"bench": bench, "problem_id": "0", "method": method, "concurrency": c, "prompt_tokens": 10,
+         "new_tokens": n, "rounds": len(accept), "tau": 0.0, "latency_s": latency, "ttft_s": ttft,
+         "finish_reason": "length", "correct": correct, "identical": identical, "completion": ""}
+    if forwards:            # C=1 records carry forwards and accept lengths; C=2 records do not
+        r.update(forwards=len(accept) + 1, accept_lengths=accept)
+    return r
+
+
+def synthetic():
+    # Per-request streaming rate = (n - 1) / (latency - ttft): AR 10 tok/s everywhere; linear
+    # 20 on gsm8k and 30 on math500.
+    rows = [("gsm8k", "ar", 5, [1] * 4, 0.5, True, True), ("gsm8k", "ar", 9, [1] * 8, 0.9, False, True),
+            ("math500", "ar", 7, [1] * 6, 0.7, True, True),
+            ("gsm8k", "linear", 5, [3, 1], 0.3, True, True), ("gsm8k", "linear", 9, [4, 2, 2], 0.5, False, True),
+            ("math500", "linear", 7, [4, 2], 0.3, True, False)]
+    records = [rec(b, m, 1, n, a, lat, correct=ok, identical=same) for b, m, n, a, lat, ok, same in rows]
+    records += [rec(b, m, 2, n, a, lat, correct=ok, identical=same, forwards=False)
+                for b, m, n, a, lat, ok, same in rows]
+    runs = [{"method": m, "concurrency": c, "tokens_per_s": tps, "tokens_per_forward": tpf, "warmup_s": 0.0}
+            for m, c, tps, tpf in (("ar", 1, 10.0, 1.0), ("linear", 1, 25.0, 2.0),
+                                   ("ar", 2, 18.0, 1.0), ("linear", 2, 40.0, 1.9))]
+    return records, runs
+
+
+def test_metrics_match_hand_computed_values():
+    m = metrics(*synthetic())
+    assert m["methods"] == ["ar", "linear"] and m["benches"] == ["gsm8k", "math500"]
+    assert m["concurrency"] == [1, 2]
+    lin = lookup(m, "by_method", method="linear", concurrency=1)
+    assert lin["tau"] == pytest.approx(18 / 7)                  # (4 + 8 + 6) / (2 + 3 + 2)
+    assert lin["tokens_per_forward"] == pytest.approx(21 / 10)  # from records' forwards
+    assert lin["accept_hist"] == {1: 1, 2: 3, 3: 1, 4: 2}
+    assert lin["speedup"] == pytest.approx(2.5)                  # 25 / 10 aggregate
+    assert lin["per_request_tokens_per_s"] == pytest.approx(70 / 3)
+    assert lin["accuracy"] == pytest.approx(2 / 3) and lin["identical"] == pytest.approx(2 / 3)
+    gsm = lookup(m, "by_bench", bench="gsm8k", method="linear", concurrency=1)
+    math = lookup(m, "by_bench", bench="math500", method="linear", concurrency=1)
+    assert (gsm["tau"], math["tau"]) == (pytest.approx(2.4), pytest.approx(3.0))
+    assert (gsm["speedup"], math["speedup"]) == (pytest.approx(2.0), pytest.approx(3.0))   # per-request
+    assert (gsm["tokens_per_forward"], math["tokens_per_forward"]) == (pytest.approx(2.0), pytest.approx(7 / 3))
+    avg = lookup(m, "macro", method="linear", concurrency=1)
+    assert avg["tau"] == pytest.approx(2.7) and avg["speedup"] == pytest.approx(2.5)
+    assert avg["accuracy"] == pytest.approx(0.75) and avg["identical"] == pytest.approx(0.5)
+    ar = lookup(m, "by_method", method="ar", concurrency=1)
+    assert ar["tau"] == ar["speedup"] == ar["tokens_per_forward"] == 1.0 and ar["accept_hist"] == {1: 18}
+    # C=2 records lack forwards and accept_lengths: tokens/forward falls back to the run's.
+    lin2 = lookup(m, "by_method", method="linear", concurrency=2)
+    assert lin2["tokens_per_forward"] == 1.9 and lin2["accept_hist"] is None
+    assert lin2["speedup"] == pytest.approx(40 / 18)
+    assert lookup(m, "by_bench", bench="gsm8k", method="linear", concurrency=2)["tokens_per_forward"] is None
+
+
+def test_uncounted_rounds_leave_tau_out_and_missing_reference_leaves_speedup_out():
+    records = [rec("gsm8k", "hf", 1, 5, [1] * 4, 0.5)]
+    records[0]["rounds"] = None
+    m = metrics(records, [{"method": "hf", "concurrency": 1, "tokens_per_s": 9.0}])
+    row = lookup(m, "by_method", method="hf", concurrency=1)
+    assert row["tau"] is None and row["speedup"] is None and row["per_request_tokens_per_s"] == 10.0
+
+
+def test_results_round_trip_and_bad_files(tmp_path):
+    records, runs = synthetic()
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"environment": {}, "runs": runs, "summary": [], "records": records}))
+    res = load_results(str(path))
+    assert metrics(res["records"], res["runs"]) == metrics(records, runs)
+    bad = tmp_path / "bad.json"
+    for text, msg in (("{not json", "not valid JSON"), ("[]", "needs 'runs' and 'records'"),
+                      (json.dumps({"runs": runs, "records": [{"bench": "x"}]}), "records\\[0\\] lacks")):
+        bad.write_text(text)
+        with pytest.raises(FastspecError, match=msg) as e:
+            load_results(str(bad))
+        assert "\n" not in str(e.value)
+    with pytest.raises(FastspecError, match="not found"):
+        load_results(str(tmp_path / "missing.json"))
+
+
+def render(table) -> str:
+    console = Console(record=True, width=200)
+    console.print(table)
+    return console.export_text()
+
+
+def test_tables_show_the_numbers():
+    m = metrics(*synthetic())
+    t2 = render(table2(m, 1))
+    assert "C=1" in t2 and "gsm8k" in t2 and "avg" in t2
+    assert "1.00 / 1.00×" in t2 and "2.40 / 2.00×" in t2 and "3.00 / 3.00×" in t2 and "2.70 / 2.50×" in t2
+    assert "C=2" in render(table2(m, 2))
+    f5 = render(figure5_table(m))
+    assert "25.0" in f5 and "23.3" in f5 and "2.50×" in f5 and "2.22×" in f5
+    acc = render(accuracy_table(m))
+    assert "50% / 100%" in acc and "100% / 0%" in acc and "75% / 50%" in acc
+    with pytest.raises(FastspecError, match="concurrency 8"):
+        table2(m, 8)
+
+
+def test_pareto_optimal():
+    assert pareto_optimal([(1, 10), (2, 5), (1, 4), (2, 5)]) == [True, True, False, True]
+
+
+def test_write_plots_makes_pngs(tmp_path):
+    records, runs = synthetic()
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"runs": runs, "records": records}))
+    paths = write_plots(str(path), str(tmp_path / "plots"))
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["pareto.png", "tau_by_bench.png", "accept_hist.png"]
+    for p in paths:
+        with open(p, "rb") as f:
+            data = f.read()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1024
