@@ -218,6 +218,14 @@ def speed(model, new_tokens, batches, ns, context, no_hf, json_out):
               json_out=json_out, console=console)
 
 
+def _register_training() -> None:
+    from fastspec.train.command import train_drafter
+    cli.add_command(train_drafter)
+
+
+_register_training()
+
+
 def parse_int_list(text: str, flag: str) -> list[int]:
     try:
         values = [int(x) for x in str(text).split(",") if x.strip()]

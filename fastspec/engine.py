@@ -19,20 +19,13 @@ import torch
 
 from fastspec.config import FastspecError
 from fastspec.draft import has_adapter
+from fastspec.graphs.keys import batch_bucket
 from fastspec.kv_cache import KVCache
 from fastspec.methods import Method, get_method
 from fastspec.layout import cache_mask, causal_block
 from fastspec.sampling import SamplerState, SamplingParams, sample_tokens
 
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 CTX_ALIGN = 256
-
-
-def batch_bucket(n: int) -> int:
-    for b in BATCH_BUCKETS:
-        if n <= b:
-            return b
-    raise FastspecError(f"concurrency {n} exceeds the largest batch bucket {BATCH_BUCKETS[-1]}")
 
 
 @dataclass

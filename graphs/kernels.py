@@ -29,6 +29,7 @@ _CPP = r"""
 #include <immintrin.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/TensorIndexing.h>
 #include <torch/library.h>
 
 namespace {
@@ -117,15 +118,24 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return y;
 }
 
+// cache[layer][rows, :, cols] = value, in place (rows/cols broadcast like advanced indexing).
+void kv_write_(at::Tensor& cache, int64_t layer, const at::Tensor& rows, const at::Tensor& cols,
+               const at::Tensor& value) {
+  using at::indexing::Slice;
+  cache.select(0, layer).index_put_({rows, Slice(), cols}, value.to(cache.scalar_type()));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fastspec, m) {
+  m.def("kv_write_(Tensor(a!) cache, int layer, Tensor rows, Tensor cols, Tensor value) -> ()");
   m.def("skinny_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("pack_weight(Tensor w) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(fastspec, CPU, m) {
   m.impl("skinny_linear", &skinny_linear);
   m.impl("pack_weight", &pack_weight);
+  m.impl("kv_write_", &kv_write_);
 }
 """
 
@@ -161,14 +171,35 @@ def available() -> bool:
     def _(x, packed, out_features):
         return x.new_empty((*x.shape[:-1], out_features))
 
+    @torch.library.register_fake("fastspec::kv_write_")
+    def _(cache, layer, rows, cols, value):
+        return None
+
     return True
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
     """[out, in] fp32 -> [ceil(out/32), in, 32] panels (a copy; the original is untouched)."""
+    if not available():
+        raise RuntimeError("fastspec skinny_linear kernel is unavailable on this machine")
     with torch.no_grad():
         return torch.ops.fastspec.pack_weight(w.detach())
 
 
 def skinny_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     return torch.ops.fastspec.skinny_linear(x, packed, out_features)
+
+
+@functools.cache
+def kv_write_op():
+    """In-place `cache[layer][rows, :, cols] = value` as an opaque op (C++ when built, else Python)."""
+    if available():
+        return torch.ops.fastspec.kv_write_.default
+
+    @torch.library.custom_op("fastspec_py::kv_write_", mutates_args=("cache",))
+    def kv_write_(cache: torch.Tensor, layer: int, rows: torch.Tensor, cols: torch.Tensor,
+                  value: torch.Tensor) -> None:
+        cache[layer][rows, :, cols] = value.to(cache.dtype)
+
+    return torch.ops.fastspec_py.kv_write_.default
+

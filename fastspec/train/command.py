@@ -56,6 +56,10 @@ def checkpoint_dir(model: str, out: Path) -> Path:
     return cache_dir() / "train" / f"{slug}-{tag}"
 
 
+def _r(x, nd):
+    return "n/a" if x is None else round(x, nd)
+
+
 def _pick_device(device: str) -> str:
     import torch
     if device == "auto":
@@ -106,6 +110,9 @@ def _load_base(model: str, dtype: str):
               help="Loss weight of block position i is decay**(i-1).")
 @click.option("--partial-prob", type=float, default=0.2, show_default=True,
               help="Chance that a block is partially masked instead of all-MASK.")
+@click.option("--small-block-prob", type=float, default=0.25, show_default=True,
+              help="Chance that a block is a smaller power of two (4, 8, ...) than --block, so one "
+                   "adapter serves every block size the engine may pick.")
 @click.option("--gen-concurrency", type=int, default=16, show_default=True,
               help="Requests decoded together while generating the targets.")
 @click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda[:N].")
@@ -115,7 +122,7 @@ def _load_base(model: str, dtype: str):
 @_user_errors
 def train_drafter(model, out, data, max_prompts, target_tokens, block, blocks_per_seq, seqs_per_step,
                   rank, alpha, targets, lr, warmup_steps, minutes, max_steps, kl_weight, pos_decay,
-                  partial_prob, gen_concurrency, device, resume, seed):
+                  partial_prob, small_block_prob, gen_concurrency, device, resume, seed):
     """Train the draft adapter (LoRA + MASK embedding) by block diffusion on self-distilled data."""
     from rich.console import Console
 
@@ -129,7 +136,7 @@ def train_drafter(model, out, data, max_prompts, target_tokens, block, blocks_pe
                       rank=rank, alpha=float(alpha if alpha is not None else 2 * rank),
                       targets=target_list, lr=lr, warmup_steps=warmup_steps, minutes=minutes,
                       max_steps=max_steps, kl_weight=kl_weight, pos_decay=pos_decay,
-                      partial_prob=partial_prob, seed=seed)
+                      partial_prob=partial_prob, small_block_prob=small_block_prob, seed=seed)
     if target_tokens < 2:
         raise FastspecError(f"--target-tokens must be >= 2, got {target_tokens}")
     if gen_concurrency < 1:
@@ -156,7 +163,7 @@ def train_drafter(model, out, data, max_prompts, target_tokens, block, blocks_pe
     gen_s = time.perf_counter() - t0
     n_tok = sum(len(e.target_ids) for e in examples)
     console.print(f"targets: {len(examples)} sequences, {n_tok} tokens ({cache_file}"
-                  f"{', generated in %.0f s' % gen_s if gen_s > 5 else ''})")
+                  f"{', generated in %.0f s' % gen_s if gen_s > 5 else ''})", soft_wrap=True)
 
     argv = ["fastspec", "train-drafter", "--model", model, "--out", str(out_dir)]
     if data:
@@ -166,7 +173,8 @@ def train_drafter(model, out, data, max_prompts, target_tokens, block, blocks_pe
              "--seqs-per-step", str(seqs_per_step), "--rank", str(rank), "--alpha", f"{cfg.alpha:g}",
              "--targets", ",".join(target_list), "--lr", f"{lr:g}", "--warmup-steps", str(warmup_steps),
              "--minutes", f"{minutes:g}", "--kl-weight", f"{kl_weight:g}", "--pos-decay", f"{pos_decay:g}",
-             "--partial-prob", f"{partial_prob:g}", "--seed", str(seed)]
+             "--partial-prob", f"{partial_prob:g}", "--small-block-prob", f"{small_block_prob:g}",
+             "--seed", str(seed)]
     if max_steps is not None:
         argv += ["--max-steps", str(max_steps)]
     command = shlex.join(argv)
@@ -187,9 +195,8 @@ def train_drafter(model, out, data, max_prompts, target_tokens, block, blocks_pe
         f"{summary['elapsed_s'] / 60:.1f} min of training\n"
         f"  this run: {summary['target_tokens_per_s']:.0f} target tok/s, "
         f"{summary['seconds_per_step']:.2f} s/step on {dev}\n"
-        f"  loss {summary['loss'] if summary['loss'] is None else round(summary['loss'], 4)}, "
-        f"accepted drafts per block (greedy, training proxy) "
-        f"{summary['accept'] if summary['accept'] is None else round(summary['accept'], 2)}\n"
+        f"  loss {_r(summary['loss'], 4)}, accepted mask drafts per block {_r(summary['accept'], 2)}, "
+        f"greedy tau proxy {_r(summary['tau'], 2)} (teacher-forced, training data)\n"
         f"  log {out_dir / LOG_FILE}; checkpoint {ckpt}\n"
         f"command (rerun to resume, raise --minutes to train longer):\n  {command}",
-        highlight=False, markup=False)
+        highlight=False, markup=False, soft_wrap=True)

@@ -262,31 +262,46 @@ def build_targets(loaded, prompts: Sequence[str | list[int]], max_new_tokens: in
     if missing:
         path.parent.mkdir(parents=True, exist_ok=True)
         params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-        chunk = max(1, concurrency) * 4
         bar = _progress(console) if progress else None
+        task = bar.add_task("self-distilling targets", total=len(missing), tps=0.0) if bar else None
         t0, tokens = time.perf_counter(), 0
-        task = None
-        if bar is not None:
-            bar.start()
-            task = bar.add_task("self-distilling targets", total=len(missing), tps=0.0)
-        try:
-            with open(path, "a", encoding="utf-8") as f:
-                for i in range(0, len(missing), chunk):
-                    part = missing[i: i + chunk]
-                    done = engine.generate(part, params, concurrency=concurrency)
-                    for ids, comp in zip(part, done):
-                        cached[prompt_key(ids)] = list(comp.token_ids)
-                        f.write(json.dumps({"key": prompt_key(ids), "max_new_tokens": max_new_tokens,
-                                            "finish": comp.finish_reason, "prompt_ids": ids,
-                                            "target_ids": list(comp.token_ids)}) + "\n")
-                        tokens += len(comp.token_ids)
-                    f.flush()
-                    if bar is not None:
-                        bar.update(task, advance=len(part),
-                                   tps=tokens / max(time.perf_counter() - t0, 1e-9))
-        finally:
+        streamed: dict[int, list[int]] = {i: [] for i in range(len(missing))}
+        written: set[int] = set()
+        eos = set(getattr(engine, "eos_ids", loaded.cfg.eos_token_ids))
+
+        with open(path, "a", encoding="utf-8") as f:
+            def write(i: int, target: list[int], finish: str) -> None:
+                ids = missing[i]
+                cached[prompt_key(ids)] = list(target)
+                f.write(json.dumps({"key": prompt_key(ids), "max_new_tokens": max_new_tokens,
+                                    "finish": finish, "prompt_ids": ids,
+                                    "target_ids": list(target)}) + "\n")
+                f.flush()
+                if bar is not None and i not in written:
+                    bar.update(task, advance=1, tps=tokens / max(time.perf_counter() - t0, 1e-9))
+                written.add(i)
+
+            def on_commit(i: int, new: list[int], *_) -> None:
+                # One generate call keeps every slot busy (continuous batching); each request is
+                # appended to the cache as soon as it finishes, so an interruption loses little.
+                nonlocal tokens
+                out = streamed[i]
+                out.extend(new)
+                tokens += len(new)
+                if out and (out[-1] in eos or len(out) >= max_new_tokens) and i not in written:
+                    write(i, out[:max_new_tokens], "eos" if out[-1] in eos else "length")
+
             if bar is not None:
-                bar.stop()
+                bar.start()
+            try:
+                done = engine.generate(missing, params, method="ar", concurrency=concurrency,
+                                       on_commit=on_commit)
+                for comp in done:      # the completions are authoritative
+                    if comp.index not in written or cached[prompt_key(missing[comp.index])] != comp.token_ids:
+                        write(comp.index, comp.token_ids, comp.finish_reason)
+            finally:
+                if bar is not None:
+                    bar.stop()
     return [Example(ids, cached[prompt_key(ids)]) for ids in kept]
 
 

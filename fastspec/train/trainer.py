@@ -29,11 +29,12 @@ every layer's backward copy the gradient of the whole stack).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -72,8 +73,9 @@ class TrainConfig:
     pos_decay: float = 0.8          # weight of block position i is pos_decay ** (i - 1)
     partial_prob: float = 0.2       # chance a block is partially masked instead of all-MASK
     max_keep: float = 0.5           # partially masked blocks keep each token with p ~ U(0, max_keep)
+    small_block_prob: float = 0.25  # chance a block is a smaller power of two (>= 4) than `block`
     seed: int = 0
-    log_every: int = 10
+    log_every: int = 5
     ckpt_every_s: float = 300.0
 
     def __post_init__(self):
@@ -88,7 +90,8 @@ class TrainConfig:
                   (self.minutes > 0, "--minutes must be > 0"),
                   (0 <= self.kl_weight <= 1, "--kl-weight must be in [0, 1]"),
                   (0 < self.pos_decay <= 1, "--pos-decay must be in (0, 1]"),
-                  (0 <= self.partial_prob <= 1, "--partial-prob must be in [0, 1]")]
+                  (0 <= self.partial_prob <= 1, "--partial-prob must be in [0, 1]"),
+                  (0 <= self.small_block_prob <= 1, "--small-block-prob must be in [0, 1]")]
         for ok, msg in checks:
             if not ok:
                 raise FastspecError(msg)
@@ -106,21 +109,29 @@ def draft_block_mask(block: int, device=None) -> torch.Tensor:
     return m
 
 
-def training_mask(starts: torch.Tensor, block: int, clean_len: int) -> torch.Tensor:
+def training_mask(starts: torch.Tensor, block: int, clean_len: int,
+                  sizes: torch.Tensor | None = None) -> torch.Tensor:
     """Mask [R, K*B, clean_len + K*B] for K blocks of B tokens written after `clean_len` columns.
 
-    Block j of row r (start s = starts[r, j]) sees clean columns < s, and within its own block:
-    the seed only itself, the other tokens the whole block. Blocks never see each other.
+    Block j of row r (start s = starts[r, j], size b = sizes[r, j], default B) sees clean columns
+    < s, and within its own first b positions: the seed only itself, the other tokens all b.
+    Positions >= b are padding that sees only itself and that nobody sees (as in LinearSS rows
+    with a smaller block than the batch's widest). Blocks never see each other.
     """
     R, K = starts.shape
     N = K * block
     dev = starts.device
     q = torch.arange(N, device=dev)
     q_block, q_pos = q // block, q % block
-    clean = torch.arange(clean_len, device=dev)[None, None, :] < starts[:, q_block][..., None]
-    same = q_block[:, None] == q_block[None, :]
-    inner = same & ((q_pos != 0)[:, None] | (q[:, None] == q[None, :]))
-    return torch.cat([clean, inner.expand(R, N, N)], dim=-1)
+    if sizes is None:
+        sizes = torch.full_like(starts, block)
+    valid = q_pos[None, :] < sizes[:, q_block]                               # [R, N]
+    clean = (torch.arange(clean_len, device=dev)[None, None, :] < starts[:, q_block][..., None]) \
+        & valid[..., None]
+    same = (q_block[:, None] == q_block[None, :]) & ((q_pos != 0)[:, None])   # [N, N]
+    inner = same[None] & valid[:, :, None] & valid[:, None, :]
+    inner = inner | torch.eye(N, dtype=torch.bool, device=dev)[None]
+    return torch.cat([clean, inner], dim=-1)
 
 
 @dataclass
@@ -132,6 +143,7 @@ class Batch:
     targets: torch.Tensor          # [R, K*B] next-token target, IGNORE where none
     weights: torch.Tensor          # [R, K*B] loss weight (0 = not counted; always 0 at seeds)
     all_masked: torch.Tensor       # [R, K] block is all-MASK (the inference layout)
+    sizes: torch.Tensor            # [R, K] block sizes (<= block; the rest is padding)
     block: int
 
     @property
@@ -141,15 +153,17 @@ class Batch:
     def to(self, device) -> "Batch":
         return Batch(*(getattr(self, f).to(device) for f in
                        ("clean_ids", "block_ids", "positions", "starts", "targets", "weights",
-                        "all_masked")), block=self.block)
+                        "all_masked", "sizes")), block=self.block)
 
 
 def make_batch(examples: Sequence[Example], starts: torch.Tensor, keep: torch.Tensor, block: int,
-               mask_id: int, pos_decay: float = 1.0, max_position: int | None = None) -> Batch:
+               mask_id: int, pos_decay: float = 1.0, max_position: int | None = None,
+               sizes: torch.Tensor | None = None) -> Batch:
     """Deterministic batch: `starts [R, K]` block starts (>= prompt length, <= len - 2), `keep
     [R, K, B]` bool (True keeps the true token at that block position; position 0, the seed, is
-    always the true token)."""
+    always the true token), `sizes [R, K]` block sizes (default: all `block`)."""
     R, K = starts.shape
+    sizes = torch.full_like(starts, block) if sizes is None else sizes
     B = block
     lens = torch.tensor([len(e.ids) for e in examples])
     span = int(starts.max()) + B + 1
@@ -163,10 +177,12 @@ def make_batch(examples: Sequence[Example], starts: torch.Tensor, keep: torch.Te
     keep = keep.clone()
     keep[..., 0] = True
     inp = torch.where(keep & (true_tok >= 0), true_tok, torch.full_like(true_tok, mask_id))
-    # A target is counted when it exists and the drafter cannot read it off the next input.
+    valid = i < sizes[..., None]                                    # [R, K, B] inside the block
+    # A target is counted when it exists and the drafter cannot read it off the next input
+    # (the next position is a MASK, or this is the block's last position).
     next_hidden = torch.ones_like(keep)
-    next_hidden[..., :-1] = inp[..., 1:] == mask_id
-    counted = (nxt >= 0) & next_hidden & (i > 0)
+    next_hidden[..., :-1] = (inp[..., 1:] == mask_id) | ~valid[..., 1:]
+    counted = (nxt >= 0) & next_hidden & (i > 0) & valid
     targets = torch.where(counted, nxt, torch.full_like(nxt, IGNORE))
     w = (pos_decay ** (i - 1).clamp(min=0).float()) * counted.float()
     # The clean pass needs columns < s (prefix) and rows up to s + B - 1 (teacher logits).
@@ -174,9 +190,9 @@ def make_batch(examples: Sequence[Example], starts: torch.Tensor, keep: torch.Te
     clean = ids[:, :clean_len].clamp(min=0)
     if max_position is not None:
         pos = pos.clamp(max=max_position - 1)
-    all_masked = (inp[..., 1:] == mask_id).all(-1)
+    all_masked = ((inp == mask_id) | ~valid)[..., 1:].all(-1)
     return Batch(clean, inp.view(R, -1), pos.view(R, -1), starts, targets.view(R, -1),
-                 w.view(R, -1), all_masked, B)
+                 w.view(R, -1), all_masked, sizes, B)
 
 
 class _LayerCache(list):
@@ -217,7 +233,7 @@ def block_forward(model, batch: Batch, k, v, logits_index: torch.Tensor | None =
     Tc, B = batch.clean_len, batch.block
     dev = batch.block_ids.device
     cols = (Tc + torch.arange(N, device=dev)).expand(R, N)
-    mask = training_mask(batch.starts, B, Tc)
+    mask = training_mask(batch.starts, B, Tc, batch.sizes)
     adapter_on = (torch.arange(N, device=dev) % B != 0).expand(R, N)
     return model(batch.block_ids, batch.positions, k, v, cols, mask, torch.arange(R, device=dev),
                  adapter_on=adapter_on, logits_index=logits_index)
@@ -259,17 +275,20 @@ def draft_loss(model, batch: Batch, kl_weight: float = 0.5) -> tuple[torch.Tenso
         counted = tgt != IGNORE
         n = counted.sum().clamp(min=1)
         correct = (logits.argmax(-1) == tgt) & counted
-        # Accepted drafts per all-MASK block under greedy verification: the leading run of
-        # correct drafts (positions 1..B-1).
+        # Greedy LinearSS on an all-MASK block of size b: the seed's draft is always right, then
+        # the leading run of correct mask drafts, then a bonus token: tau = min(run + 2, b).
         run = correct.view(R, K, B - 1).long().cumprod(-1).sum(-1).float()
+        tau = torch.minimum(run + 2, batch.sizes.float())
         am = batch.all_masked
         metrics = {
             "loss": loss.detach(),
             "ce": (ce * counted).sum() / n,
             "kl": (kl * counted).sum() / n if kl is not None else torch.zeros((), device=dev),
             "acc": correct.sum() / n,
-            "acc1": correct.view(R, K, B - 1)[..., 0].float().mean(),
+            "acc1": correct.view(R, K, B - 1)[..., 0].sum()
+                    / counted.view(R, K, B - 1)[..., 0].sum().clamp(min=1),
             "accept": (run * am).sum() / am.sum().clamp(min=1),
+            "tau": (tau * am).sum() / am.sum().clamp(min=1),
             "target_tokens": counted.sum(),
         }
     return loss, metrics
@@ -313,6 +332,10 @@ class DraftTrainer:
         self.perm = torch.randperm(len(self.examples), generator=self.gen)
         self.cursor = 0
         self.epoch = 0
+        h = hashlib.sha256()
+        for e in self.examples:
+            h.update(json.dumps([e.prompt_ids, e.target_ids]).encode())
+        self.data_key = h.hexdigest()[:16]
 
     # --- sampling ---
     def _next_examples(self) -> list[Example]:
@@ -336,8 +359,13 @@ class DraftTrainer:
         partial = torch.rand(R, K, 1, generator=g) < cfg.partial_prob
         rate = torch.rand(R, K, 1, generator=g) * cfg.max_keep
         keep = partial & (torch.rand(R, K, B, generator=g) < rate)
+        sizes = torch.full((R, K), B, dtype=torch.long)
+        smaller = [b for b in (4, 8, 16, 32, 64) if b < B]
+        if smaller and cfg.small_block_prob > 0:
+            pick = torch.tensor(smaller)[torch.randint(len(smaller), (R, K), generator=g)]
+            sizes = torch.where(torch.rand(R, K, generator=g) < cfg.small_block_prob, pick, sizes)
         return make_batch(exs, starts, keep, B, self.mask_id, cfg.pos_decay,
-                          self.max_position).to(self.device)
+                          self.max_position, sizes).to(self.device)
 
     # --- optimization ---
     def lr_at(self, step: int, elapsed_s: float) -> float:
@@ -375,7 +403,7 @@ class DraftTrainer:
         opt_steps = {str(i): float(s["step"]) for i, s in self.opt.state_dict()["state"].items()}
         return {"version": 1, "step": self.step, "target_tokens": self.target_tokens,
                 "elapsed_s": self.elapsed_s, "epoch": self.epoch, "cursor": self.cursor,
-                "num_examples": len(self.examples), "opt_steps": opt_steps,
+                "num_examples": len(self.examples), "data_key": self.data_key, "opt_steps": opt_steps,
                 "model_key": self.model_key, "adapter_config": asdict(self.adapter_cfg),
                 "train_config": asdict(self.cfg)}
 
@@ -440,7 +468,7 @@ class DraftTrainer:
         self.gen.set_state(tensors["rng"])
         self.step, self.target_tokens = int(scalars["step"]), int(scalars["target_tokens"])
         self.elapsed_s, self.epoch = float(scalars["elapsed_s"]), int(scalars["epoch"])
-        if int(scalars.get("num_examples", -1)) == len(self.examples):
+        if scalars.get("data_key") == self.data_key:
             self.perm, self.cursor = tensors["perm"].long(), int(scalars["cursor"])
         else:  # the data changed size: start a fresh epoch order
             self.perm, self.cursor = torch.randperm(len(self.examples), generator=self.gen), 0
@@ -493,12 +521,12 @@ class DraftTrainer:
             bar = _train_progress(console)
             bar.start()
             task = bar.add_task("training drafter", total=budget, completed=min(self.elapsed_s, budget),
-                                step=self.step, loss=float("nan"), accept=float("nan"), tps=0.0,
+                                step=self.step, loss=float("nan"), tau=float("nan"), tps=0.0,
                                 sps=0.0, eta="?")
         acc: dict[str, float] = {}
-        n_acc, last_ckpt = 0, time.perf_counter()
+        n_acc, last_ckpt, log_t = 0, time.perf_counter(), self.elapsed_s
         run_steps, run_tokens, run_time = 0, 0, 0.0
-        ema_loss = ema_accept = None
+        ema_loss = ema_accept = ema_tau = None
         try:
             while not self.done():
                 t0 = time.perf_counter()
@@ -511,10 +539,13 @@ class DraftTrainer:
                 n_acc += 1
                 ema_loss = m["loss"] if ema_loss is None else 0.9 * ema_loss + 0.1 * m["loss"]
                 ema_accept = m["accept"] if ema_accept is None else 0.9 * ema_accept + 0.1 * m["accept"]
+                ema_tau = m["tau"] if ema_tau is None else 0.9 * ema_tau + 0.1 * m["tau"]
                 if self.step % cfg.log_every == 0 or self.done():
                     row = {k: round(v / n_acc, 5) for k, v in acc.items() if k != "target_tokens"}
                     self._log({"step": self.step, "target_tokens": self.target_tokens,
-                               "elapsed_s": round(self.elapsed_s, 2), **row})
+                               "elapsed_s": round(self.elapsed_s, 2),
+                               "step_s": round((self.elapsed_s - log_t) / n_acc, 3), **row})
+                    log_t = self.elapsed_s
                     acc, n_acc = {}, 0
                 if bar is not None:
                     per_step = run_time / run_steps
@@ -522,7 +553,7 @@ class DraftTrainer:
                     if cfg.max_steps:
                         left = min(left, (cfg.max_steps - self.step) * per_step)
                     bar.update(task, completed=min(self.elapsed_s, budget), step=self.step,
-                               loss=ema_loss, accept=ema_accept, tps=run_tokens / run_time,
+                               loss=ema_loss, tau=ema_tau, tps=run_tokens / run_time,
                                sps=per_step, eta=_fmt_s(max(left, 0.0)))
                 if self.ckpt_dir is not None and time.perf_counter() - last_ckpt >= cfg.ckpt_every_s:
                     self.save_checkpoint()
@@ -540,7 +571,7 @@ class DraftTrainer:
                 "resumed": resumed, "run_steps": run_steps, "run_target_tokens": run_tokens,
                 "run_seconds": run_time, "seconds_per_step": run_time / max(run_steps, 1),
                 "target_tokens_per_s": run_tokens / max(run_time, 1e-9),
-                "loss": ema_loss, "accept": ema_accept}
+                "loss": ema_loss, "accept": ema_accept, "tau": ema_tau}
 
 
 def _fmt_s(s: float) -> str:
@@ -553,7 +584,7 @@ def _train_progress(console):
     return Progress(TextColumn("{task.description}"), BarColumn(),
                     TextColumn("step {task.fields[step]}"),
                     TextColumn("loss {task.fields[loss]:.3f}"),
-                    TextColumn("accept {task.fields[accept]:.2f}"),
+                    TextColumn("τ≈{task.fields[tau]:.2f}"),
                     TextColumn("{task.fields[tps]:.0f} tgt tok/s"),
                     TextColumn("{task.fields[sps]:.2f} s/step"),
                     TimeElapsedColumn(), TextColumn("ETA {task.fields[eta]}"),
