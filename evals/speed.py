@@ -54,6 +54,13 @@ def time_fn(fn, reps: int = 10, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def same_until_eos(ours: list[int], theirs: list[int], eos_ids) -> bool:
+    """Token-for-token equality up to our first EOS: past it the runs differ by design (we
+    ignore EOS to time a fixed length, HF's min_new_tokens bans it and picks another token)."""
+    cut = next((i for i, t in enumerate(ours) if t in eos_ids), len(ours))
+    return ours[:cut] == theirs[:cut]
+
+
 def hf_model_from(loaded):
     """A transformers LlamaForCausalLM holding exactly the engine's weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -145,7 +152,8 @@ def run_speed(*, model, new_tokens, batches, ns, context, hf, json_out, console:
         if hf_model is not None:
             hf_tps, hf_ids = hf_generate_tps(hf_model, loaded.tokenizer, prompts, new_tokens)
             row.update(hf_tokens_per_s=hf_tps, speedup=decode_tps / hf_tps,
-                       same_tokens=sum(o.token_ids == h for o, h in zip(out, hf_ids)) / b)
+                       same_tokens=sum(same_until_eos(o.token_ids, h, engine.eos_ids)
+                                       for o, h in zip(out, hf_ids)) / b)
         result["generate"].append(row)
         fmt = lambda key, f: format(row[key], f) if key in row else "—"
         gen.add_row(str(b), f"{decode_tps:.1f}", f"{step_ms:.1f}", f"{row['floor_fraction']:.0%}",

@@ -143,7 +143,6 @@ class Engine:
         self.round_width = 1
         self.name = getattr(loaded, "name", "this model")
 
-
     @property
     def mask_token_id(self) -> int | None:
         return self.model.mask_token_id
@@ -177,17 +176,14 @@ class Engine:
                 f"prompt plus --max-new-tokens needs {need_len} positions but the context is "
                 f"{self.max_context}: shorten the prompt or lower --max-new-tokens")
         max_len = min(-(-need_len // CTX_ALIGN) * CTX_ALIGN, self.max_context)
-        key = (num_slots, method.name if method else None, method.max_block() if method else 0)
-        if (self.cache is not None and self.cache.num_slots == num_slots
-                and self.cache.max_len >= max_len and key in self._warm):
-            self.warmup_s = 0.0
-            return
+        c = self.cache
+        if c is None or c.num_slots != num_slots or c.max_len < max_len:
+            self.cache = KVCache(self.cfg, num_slots, max_len, self.dtype, self.device)
+        method = method or get_method("ar")
+        # Shapes the step depends on: warm each combination once, before any timing starts.
+        key = (num_slots, self.cache.max_len, method.name, method.max_block())
+        self.warmup_s = 0.0 if key in self._warm else self.warm_up(method)
         self._warm.add(key)
-        if self.cache is not None and self.cache.num_slots == num_slots and self.cache.max_len >= max_len:
-            self.warmup_s = self.warm_up(method or get_method("ar"))
-            return
-        self.cache = KVCache(self.cfg, num_slots, max_len, self.dtype, self.device)
-        self.warmup_s = self.warm_up(method or get_method("ar"))
 
     def warm_up(self, method: Method) -> float:
         """Run one round on dummy slots so compilation happens before timing starts."""

@@ -1,0 +1,104 @@
+"""`fastspec profile`: time one forward over batch × block × layout × context, fit the roofline.
+
+Register with `cli.add_command(profile)` (fastspec.cli.main). This module imports nothing from
+fastspec.cli.main at import time (main may import it while still initialising); the user-error
+wrapper and the consoles are looked up when the command runs.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import click
+
+from fastspec.config import FastspecError
+
+
+def _user_errors(fn):
+    """fastspec.cli.main.user_errors, resolved at call time (no import cycle)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from fastspec.cli.main import user_errors
+        return user_errors(fn)(*args, **kwargs)
+    return wrapper
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise FastspecError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise FastspecError(f"{flag} takes positive integers, got {text!r}")
+    return values
+
+
+@click.command()
+@click.option("--model", "-m", default="smollm2-135m", show_default=True,
+              help="Checkpoint: a built-in name (smollm2-135m, tiny-random), an HF directory or a .gguf file.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Weight and activation precision.")
+@click.option("--backend", type=click.Choice(["compile", "inductor", "eager"]), default="compile",
+              show_default=True, help="Forward backend (graphs/compile.py); every new shape compiles once.")
+@click.option("--batch", "batches", default="1,4", show_default=True, help="Comma-separated batch sizes.")
+@click.option("--block", "blocks", default="1,4,8,16,32", show_default=True,
+              help="Comma-separated new tokens per row.")
+@click.option("--layout", "layouts", default="chain,draft", show_default=True,
+              help="chain (causal, adapter off: verify/AR) and/or draft (block-bidirectional, adapter on).")
+@click.option("--context", "contexts", default="256", show_default=True,
+              help="Comma-separated committed context lengths.")
+@click.option("--reps", type=int, default=10, show_default=True, help="Timed forwards per point (median).")
+@click.option("--out", "out", type=click.Path(dir_okay=False), default=None,
+              help="Profile JSON (default profiles/<device>-<model>.json).")
+@click.option("--png", "png", type=click.Path(dir_okay=False), default=None,
+              help="Heatmap PNG (default: the JSON path with .png).")
+@click.option("--trace", "trace", type=click.Path(dir_okay=False), default=None,
+              help="Also write a torch.profiler Chrome trace (one forward per shape) to this file.")
+@click.option("--bandwidth-mib", type=int, default=1024, show_default=True,
+              help="Size of the tensor summed to measure memory bandwidth.")
+@_user_errors
+def profile(model, dtype, backend, batches, blocks, layouts, contexts, reps, out, png, trace,
+            bandwidth_mib):
+    """Profile one forward's time per shape: table, heatmap, roofline fit, JSON.
+
+    \b
+    Example:
+      fastspec profile --batch 1,4 --block 1,8,16 --context 256
+    """
+    from fastspec.cli.main import console, err_console
+    from fastspec.graphs.profile import (LAYOUTS, default_path, device_name, fit_summary,
+                                         render_table, run_profile, write_heatmap)
+    from fastspec.model.loader import load_model
+    batch_list = _int_list(batches, "--batch")
+    block_list = _int_list(blocks, "--block")
+    ctx_list = _int_list(contexts, "--context")
+    layout_list = [x.strip() for x in layouts.split(",") if x.strip()]
+    bad = [x for x in layout_list if x not in LAYOUTS]
+    if bad or not layout_list:
+        raise FastspecError(f"--layout takes {' and/or '.join(LAYOUTS)}, got {layouts!r}")
+    if reps < 1:
+        raise FastspecError(f"--reps must be >= 1, got {reps}")
+    if bandwidth_mib < 1:
+        raise FastspecError(f"--bandwidth-mib must be >= 1, got {bandwidth_mib}")
+    with err_console.status(f"loading {model} ..."):
+        loaded = load_model(model, dtype=dtype)
+    device = next(loaded.model.parameters()).device
+    out = out or default_path(device_name(device), loaded.name)
+    png = png or os.path.splitext(out)[0] + ".png"
+    total = len(batch_list) * len(block_list) * len(layout_list) * len(ctx_list)
+    done = [0]
+
+    def progress(p):
+        done[0] += 1
+        err_console.print(f"[dim]{done[0]}/{total}  B{p['batch']}×{p['block']} {p['layout']} "
+                          f"ctx {p['ctx']}: {p['ms']:.2f} ms (compile {p['compile_s']:.1f} s)[/]",
+                          highlight=False)
+
+    prof = run_profile(loaded, batches=batch_list, blocks=block_list, layouts=layout_list,
+                       contexts=ctx_list, backend=backend, reps=reps, bandwidth_mib=bandwidth_mib,
+                       trace=trace, on_point=progress)
+    prof.save(out)
+    write_heatmap(prof, png)
+    console.print(render_table(prof))
+    console.print(fit_summary(prof), highlight=False)
+    console.print(f"wrote {out}\nwrote {png}" + (f"\nwrote {trace}" if trace else ""), highlight=False)

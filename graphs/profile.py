@@ -1,0 +1,453 @@
+"""Forward-cost profiles: measured step times over batch × block × layout × context, plus a roofline.
+
+    prof = run_profile(loaded, batches=[1, 4], blocks=[1, 8, 16], contexts=[256])
+    prof.save("profiles/cpu-amd-epyc-smollm2-135m.json")
+    Profile.load(path).cost_ms(batch=4, block=8, layout="chain", ctx=256)
+
+One point is one forward of `block` new tokens in each of `batch` rows after `ctx` committed tokens
+(the attention spans ctx + block cache columns), through `compile_forward(model, backend)`:
+  chain  causal among the new tokens, adapter off (a verify / AR forward);
+  draft  block-bidirectional (draft_block_mask: the seed causal, masks see the whole block),
+         adapter on for every token but the seed (a LinearSS draft forward).
+The layout does not change the FLOP or byte count; both are measured because kernels may differ.
+
+`cost_ms` returns the measured time when the point was measured, else the roofline
+(graphs/roofline.py) fitted to all measured points against a nominal peak (an fp32 GEMM
+microbenchmark) and bandwidth (a sum over a large tensor).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import re
+import resource
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+from fastspec.config import FastspecError, ModelConfig
+from fastspec.graphs.roofline import Roofline, fit_roofline, forward_bytes, forward_flops
+from fastspec.layout import cache_mask, causal_block
+
+LAYOUTS = ("chain", "draft")
+BACKENDS = ("compile", "inductor", "eager")
+FORMAT = 1
+
+
+# --- microbenchmarks ----------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_peak_flops(device="cpu", n: int = 1024, reps: int = 5) -> float:
+    """FLOP/s of an fp32 n×n×n GEMM, best of `reps` (the nominal compute peak)."""
+    device = torch.device(device)
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    a @ b
+    best = math.inf
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n ** 3 / best
+
+
+def measure_bandwidth(device="cpu", mib: int = 1024, reps: int = 5) -> float:
+    """Read bytes/s: best of `reps` sums over a `mib` MiB fp32 tensor (default 1 GiB)."""
+    device = torch.device(device)
+    x = torch.ones(mib * 1024 * 1024 // 4, device=device)
+    x.sum()
+    best = math.inf
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        x.sum()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    nbytes = x.numel() * 4
+    del x
+    return nbytes / best
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory so far: CUDA allocator peak on a GPU, the process's max RSS on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024     # Linux: KiB
+
+
+# --- names ------------------------------------------------------------------------------------
+def device_name(device="cpu") -> str:
+    """A readable device string: the GPU's name, or the CPU model and torch's thread count."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"cpu {cpu} ({torch.get_num_threads()} threads)"
+
+
+def slug(text: str) -> str:
+    text = re.sub(r"\((r|tm)\)|\bcpu @.*|\bprocessor\b", "", text.lower())
+    text = re.sub(r"\(\d+ threads\)", "", text)
+    return re.sub(r"[^a-z0-9.]+", "-", text).strip("-") or "device"
+
+
+def default_path(device: str, model: str) -> str:
+    """profiles/<device>-<model>.json."""
+    return os.path.join("profiles", f"{slug(device)}-{slug(os.path.basename(model.rstrip('/')))}.json")
+
+
+# --- the profile ------------------------------------------------------------------------------
+def _config_dict(cfg: ModelConfig) -> dict:
+    d = dataclasses.asdict(cfg)
+    d["eos_token_ids"] = list(d["eos_token_ids"])
+    return d
+
+
+def _config_from(d: dict) -> ModelConfig:
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    d = {k: v for k, v in d.items() if k in names}
+    d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+    return ModelConfig(**d)
+
+
+@dataclass
+class Profile:
+    device: str
+    model: str
+    dtype: str
+    torch: str
+    backend: str
+    config: dict                        # the ModelConfig fields: FLOPs and bytes for the roofline
+    points: list[dict]                  # {batch, block, layout, ctx, ms, compile_s, peak_mem_mb}
+    roofline: dict | None               # Roofline.to_dict(), None when too few points to fit
+    peak_flops: float                   # nominal FLOP/s (fp32 GEMM microbenchmark)
+    bandwidth: float                    # nominal bytes/s (sum over a large tensor)
+    bytes_per_param: int = 4
+    meta: dict = field(default_factory=dict)
+    format: int = FORMAT
+
+    # --- persistence -------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str) -> str:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str) -> "Profile":
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+        except FileNotFoundError:
+            raise FastspecError(f"no profile at {path}: run `fastspec profile` first") from None
+        except (OSError, ValueError) as e:
+            raise FastspecError(f"cannot read profile {path}: {e}") from None
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = {"device", "model", "points", "config", "peak_flops", "bandwidth"} - set(raw)
+        if not isinstance(raw, dict) or missing:
+            raise FastspecError(f"{path} is not a fastspec profile (missing {sorted(missing)})")
+        raw.setdefault("dtype", "float32")
+        raw.setdefault("torch", "?")
+        raw.setdefault("backend", "?")
+        raw.setdefault("roofline", None)
+        return cls(**{k: v for k, v in raw.items() if k in names})
+
+    # --- queries -----------------------------------------------------------------------------
+    @property
+    def cfg(self) -> ModelConfig:
+        return _config_from(self.config)
+
+    def fit(self) -> Roofline | None:
+        return None if self.roofline is None else Roofline(**self.roofline)
+
+    def measured(self, batch: int, block: int, layout: str, ctx: int) -> dict | None:
+        for p in self.points:
+            if (p["batch"], p["block"], p["layout"], p["ctx"]) == (batch, block, layout, ctx):
+                return p
+        return None
+
+    def predict_ms(self, batch: int, block: int, ctx: int) -> float:
+        """The fitted roofline's forward time (any layout: the FLOPs and bytes are the same)."""
+        fit = self.fit()
+        if fit is None:
+            raise FastspecError("this profile has no roofline fit (too few measured points)")
+        cfg = self.cfg
+        t = fit.predict(forward_flops(cfg, batch, block, ctx),
+                        forward_bytes(cfg, batch, block, ctx, self.bytes_per_param))
+        return float(t) * 1e3
+
+    def cost_ms(self, batch: int, block: int, layout: str, ctx: int) -> float:
+        """Measured ms of one forward when this point was profiled, else the roofline prediction."""
+        p = self.measured(batch, block, layout, ctx)
+        return float(p["ms"]) if p is not None else self.predict_ms(batch, block, ctx)
+
+    def fit_error(self) -> float | None:
+        """Root-mean-square relative error of the fit over the measured points."""
+        if self.roofline is None or not self.points:
+            return None
+        errs = [(self.predict_ms(p["batch"], p["block"], p["ctx"]) - p["ms"]) / p["ms"]
+                for p in self.points]
+        return float(np.sqrt(np.mean(np.square(errs))))
+
+
+def fit_points(cfg: ModelConfig, points: list[dict], peak_flops: float, bandwidth: float,
+               bytes_per_param: int = 4) -> Roofline | None:
+    """The roofline through the measured points (None with fewer than 2 distinct shapes)."""
+    if len({(p["batch"], p["block"], p["ctx"]) for p in points}) < 2:
+        return None
+    f = [forward_flops(cfg, p["batch"], p["block"], p["ctx"]) for p in points]
+    m = [forward_bytes(cfg, p["batch"], p["block"], p["ctx"], bytes_per_param) for p in points]
+    s = [p["ms"] / 1e3 for p in points]
+    return fit_roofline(f, m, s, peak_flops, bandwidth)
+
+
+# --- measuring ------------------------------------------------------------------------------
+def _draft_mask(n: int, device) -> torch.Tensor:
+    from fastspec.methods.linear import draft_block_mask
+    return draft_block_mask(torch.tensor([n], device=device), n)[0]
+
+
+def forward_inputs(cfg: ModelConfig, batch: int, block: int, layout: str, ctx: int,
+                   device, dtype, mask_token_id: int | None = None, seed: int = 0) -> tuple:
+    """Inputs of LlamaModel.forward for one profile point (a fresh cache of ctx + block columns)."""
+    if layout not in LAYOUTS:
+        raise FastspecError(f"unknown layout {layout!r} (choose {', '.join(LAYOUTS)})")
+    g = torch.Generator().manual_seed(seed)
+    width = ctx + block
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, width, cfg.head_dim)
+    k = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    v = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    ids = torch.randint(0, cfg.vocab_size, (batch, block), generator=g).to(device)
+    lengths = torch.full((batch,), ctx, device=device)
+    cols = lengths[:, None] + torch.arange(block, device=device)
+    slots = torch.arange(batch, device=device)
+    if layout == "chain":
+        mask = cache_mask(lengths, causal_block(block, device), width)
+        adapter_on = None
+    else:
+        mask = cache_mask(lengths, _draft_mask(block, device), width)
+        adapter_on = (torch.arange(block, device=device) > 0)[None, :].expand(batch, block).contiguous()
+        if mask_token_id is not None:
+            ids[:, 1:] = mask_token_id
+    return ids, cols, k, v, cols, mask, slots, adapter_on
+
+
+def time_forward(fwd: Callable, inputs: tuple, device: torch.device, reps: int) -> tuple[float, float]:
+    """(first-call seconds, median ms of `reps` further calls after one warm-up call)."""
+    with torch.no_grad():
+        _sync(device)
+        t0 = time.perf_counter()
+        fwd(*inputs)
+        _sync(device)
+        first = time.perf_counter() - t0
+        fwd(*inputs)
+        times = []
+        for _ in range(reps):
+            _sync(device)
+            t0 = time.perf_counter()
+            fwd(*inputs)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+    return first, statistics.median(times) * 1e3
+
+
+def _ensure_adapter(model) -> str:
+    from fastspec.draft import AdapterConfig, attach_adapter, has_adapter
+    if has_adapter(model):
+        return "loaded"
+    ref = next(model.parameters())
+    attach_adapter(model, AdapterConfig())
+    model.to(ref.device, ref.dtype).requires_grad_(False)
+    return "fresh (LoRA B = 0; timing only)"
+
+
+def run_profile(loaded, batches: Iterable[int] = (1, 4), blocks: Iterable[int] = (1, 4, 8, 16, 32),
+                layouts: Iterable[str] = LAYOUTS, contexts: Iterable[int] = (256,),
+                backend: str = "compile", reps: int = 10, bandwidth_mib: int = 1024,
+                gemm_n: int = 1024, trace: str | None = None,
+                on_point: Callable[[dict], None] | None = None) -> Profile:
+    """Measure every (batch, block, layout, ctx) point and fit the roofline.
+
+    loaded: a LoadedModel. backend: compile | inductor | eager (graphs/compile.py modes). A draft
+    layout on a model without a draft adapter attaches a fresh one (same FLOPs as a trained one).
+    trace: write a torch.profiler Chrome trace of one forward per shape to this file.
+    """
+    from fastspec.graphs.compile import compile_forward
+    batches, blocks, layouts, contexts = (sorted(set(x)) for x in (batches, blocks, layouts, contexts))
+    if backend not in BACKENDS:
+        raise FastspecError(f"unknown backend {backend!r} (choose {', '.join(BACKENDS)})")
+    for name, vals in (("batch", batches), ("block", blocks), ("context", contexts)):
+        if not vals or any(int(v) < 1 for v in vals):
+            raise FastspecError(f"--{name} takes positive integers, got {vals}")
+    if reps < 1:
+        raise FastspecError(f"--reps must be >= 1, got {reps}")
+    bad = [l for l in layouts if l not in LAYOUTS]
+    if bad or not layouts:
+        raise FastspecError(f"unknown layout {', '.join(bad) or '(none)'} (choose {', '.join(LAYOUTS)})")
+    model, cfg = loaded.model, loaded.cfg
+    limit = model.rope_cos.shape[0]
+    if max(contexts) + max(blocks) > limit:
+        raise FastspecError(f"--context {max(contexts)} plus --block {max(blocks)} exceeds the model's "
+                            f"{limit} positions")
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    meta = {"threads": torch.get_num_threads(), "reps": reps,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if "draft" in layouts:
+        meta["adapter"] = _ensure_adapter(model)
+    peak = measure_peak_flops(device, n=gemm_n)
+    bw = measure_bandwidth(device, mib=bandwidth_mib)
+    meta["microbench"] = {"gemm_n": gemm_n, "bandwidth_mib": bandwidth_mib}
+    fwd = compile_forward(model, backend)
+    points, shapes = [], []
+    for ctx in contexts:
+        for batch in batches:
+            for block in blocks:
+                for layout in layouts:
+                    inputs = forward_inputs(cfg, batch, block, layout, ctx, device, dtype,
+                                            model.mask_token_id)
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats(device)
+                    first, ms = time_forward(fwd, inputs, device, reps)
+                    p = {"batch": batch, "block": block, "layout": layout, "ctx": ctx,
+                         "ms": ms, "compile_s": max(first - ms / 1e3, 0.0),
+                         "peak_mem_mb": peak_memory_mb(device)}
+                    points.append(p)
+                    shapes.append((p, inputs))
+                    if on_point is not None:
+                        on_point(p)
+    bpp = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
+    fit = fit_points(cfg, points, peak, bw, bpp)
+    if trace:
+        write_trace(fwd, shapes, device, trace)
+    return Profile(device=device_name(device), model=loaded.name, dtype=str(dtype).replace("torch.", ""),
+                   torch=torch.__version__, backend=backend, config=_config_dict(cfg), points=points,
+                   roofline=None if fit is None else fit.to_dict(), peak_flops=peak, bandwidth=bw,
+                   bytes_per_param=bpp, meta=meta)
+
+
+def write_trace(fwd: Callable, shapes: list[tuple[dict, tuple]], device: torch.device, path: str) -> str:
+    """A torch.profiler Chrome trace holding one (already compiled) forward per shape."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with profile(activities=acts) as prof, torch.no_grad():
+        for p, inputs in shapes:
+            with record_function(f"B{p['batch']}xN{p['block']} {p['layout']} ctx{p['ctx']}"):
+                fwd(*inputs)
+                _sync(device)
+    prof.export_chrome_trace(path)
+    return path
+
+
+# --- reporting --------------------------------------------------------------------------------
+def _axes(points: list[dict]) -> tuple[list, list, list, list]:
+    return tuple(sorted({p[k] for p in points}) for k in ("batch", "block", "layout", "ctx"))
+
+
+def render_table(prof: Profile):
+    """A rich Table: rows batch × layout (× ctx), columns block; cells ms and T(N)/T(N_min)."""
+    from rich.table import Table
+    batches, blocks, layouts, ctxs = _axes(prof.points)
+    base = blocks[0] if blocks else 1
+    table = Table(title=f"one forward, ms (T(N)/T({base})) — {prof.model} on {prof.device}, "
+                        f"{prof.backend}, {prof.dtype}")
+    table.add_column("batch", justify="right")
+    table.add_column("layout")
+    if len(ctxs) > 1:
+        table.add_column("ctx", justify="right")
+    for n in blocks:
+        table.add_column(f"N={n}", justify="right")
+    for ctx in ctxs:
+        for b in batches:
+            for lay in layouts:
+                ref = prof.measured(b, base, lay, ctx)
+                cells = []
+                for n in blocks:
+                    p = prof.measured(b, n, lay, ctx)
+                    if p is None:
+                        cells.append("—")
+                    elif ref is None:
+                        cells.append(f"{p['ms']:.2f}")
+                    else:
+                        cells.append(f"{p['ms']:.2f} ({p['ms'] / ref['ms']:.2f}×)")
+                table.add_row(str(b), lay, *([str(ctx)] if len(ctxs) > 1 else []), *cells)
+    return table
+
+
+def fit_summary(prof: Profile) -> str:
+    lines = [f"nominal peak {prof.peak_flops / 1e9:.1f} GFLOP/s (fp32 GEMM), "
+             f"bandwidth {prof.bandwidth / 1e9:.1f} GB/s"]
+    fit = prof.fit()
+    if fit is None:
+        lines.append("roofline: too few shapes to fit")
+    else:
+        lines.append(f"roofline: T = max({fit.alpha_c:.2f}·FLOPs/peak + {fit.beta_c * 1e3:.2f} ms, "
+                     f"{fit.alpha_m:.2f}·bytes/BW + {fit.beta_m * 1e3:.2f} ms), "
+                     f"rms rel. error {prof.fit_error():.1%}")
+    comp = [p["compile_s"] for p in prof.points]
+    if comp:
+        lines.append(f"compile: {sum(comp):.1f} s total, {max(comp):.1f} s max per shape; "
+                     f"peak memory {max(p['peak_mem_mb'] for p in prof.points):.0f} MiB")
+    return "\n".join(lines)
+
+
+def write_heatmap(prof: Profile, path: str) -> str:
+    """PNG heatmap per (layout, ctx): rows batch, columns block, colour = ms per token."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    batches, blocks, layouts, ctxs = _axes(prof.points)
+    panels = [(lay, ctx) for ctx in ctxs for lay in layouts]
+    fig, axes = plt.subplots(1, len(panels), figsize=(1.2 + 1.1 * len(blocks) * len(panels) + 1,
+                                                      1.2 + 0.7 * len(batches)), squeeze=False)
+    for ax, (lay, ctx) in zip(axes[0], panels):
+        grid = np.full((len(batches), len(blocks)), np.nan)
+        for i, b in enumerate(batches):
+            for j, n in enumerate(blocks):
+                p = prof.measured(b, n, lay, ctx)
+                if p is not None:
+                    grid[i, j] = p["ms"] / (b * n)
+        im = ax.imshow(grid, cmap="viridis_r", aspect="auto", origin="lower")
+        for i in range(len(batches)):
+            for j in range(len(blocks)):
+                if not np.isnan(grid[i, j]):
+                    ax.text(j, i, f"{grid[i, j]:.2g}", ha="center", va="center", fontsize=8,
+                            color="white" if grid[i, j] > np.nanmean(grid) else "black")
+        ax.set_xticks(range(len(blocks)), [str(n) for n in blocks])
+        ax.set_yticks(range(len(batches)), [str(b) for b in batches])
+        ax.set_xlabel("block (tokens per row)")
+        ax.set_ylabel("batch")
+        ax.set_title(f"{lay}, ctx {ctx}", fontsize=9)
+        fig.colorbar(im, ax=ax, label="ms per token")
+    fig.suptitle(f"{prof.model} — {prof.device}", fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,325 @@
+"""StepRunner: run one static-shaped step per GraphKey through eager, torch.compile or CUDA graphs.
+
+    runner = StepRunner("auto", model=model)            # cuda-graph on CUDA, compile on CPU
+    logits, = runner.run(GraphKey(4, 16, "chain"), step, ids, pos, k, v, cols, mask, slots,
+                         static=(2, 3))                 # k, v: the KV cache, used in place
+
+`fn(*inputs)` must return a tensor or a tuple of tensors; `run` always returns a tuple. One key is
+one static shape: pass the same `fn` for a key every time (a bound method or a function made once).
+
+Backends
+  eager       fn(*inputs) under no_grad.
+  compile     one `torch.compile(fn, dynamic=False, fullgraph=False)` per key, made on first use.
+              The compiler is fastspec's (graphs/compile.py: packed skinny GEMMs when `model` is
+              given and the AVX-512 kernel builds, in-place KV writes, inductor) unless `compiler`
+              names another torch.compile backend ("inductor", "aot_eager", a callable, ...).
+  cuda-graph  per key: compile fn (inductor, mode "max-autotune-no-cudagraphs"), warm it up on a side
+              stream, capture one `torch.cuda.CUDAGraph` into static input/output buffers from one
+              shared memory pool, lazily on first use; keep at most `max_graphs` (least recently
+              used evicted). A replay copies the inputs into the static buffers, replays, and
+              returns clones of the static outputs (copied out before any other replay, since the
+              graphs share one pool).
+  auto        cuda-graph when CUDA is available (keys whose inputs are on the CPU use compile),
+              compile otherwise.
+
+CUDA-graph rules (`static` positions): a captured graph reads and writes fixed addresses. Inputs
+the step mutates in place (the KV cache) or that are large and persistent must be listed in
+`static`: they are captured by address, never copied, and a later call with a different tensor
+(another address or shape) recaptures the key. Every other input is copied into a private static
+buffer, so in-place writes to it inside fn are not seen by the caller. The warm-up runs fn on the
+real static inputs before capture, so fn's in-place effects must be idempotent (the model's K/V
+writes are: the same values land in the same columns). Graphs share one pool, so replays must be
+serialized on one stream (the runner does that; do not replay from several threads).
+
+Padding (see graphs/keys.py): a batch of n requests runs in the bucket `batch_bucket(n)`. Padded
+rows are inactive: their ids are zero, their K/V land in a slot no real row uses (the "trash"),
+their committed length is 0 (>= 0) and their mask lets each padded token see its own column, so
+no softmax row is all-masked and nothing turns NaN. `pad_rows` pads one tensor; `pad_step` pads
+all the inputs of a model forward by those rules; real rows come back unchanged in rows [:n].
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from fastspec.config import FastspecError
+from fastspec.graphs.keys import GraphKey
+from fastspec.layout import cache_mask, causal_block
+
+BACKENDS = ("auto", "cuda-graph", "compile", "eager")
+CUDA_GRAPH_MODE = "max-autotune-no-cudagraphs"
+
+
+# --- padding ----------------------------------------------------------------------------------
+def pad_rows(t: torch.Tensor, batch: int, fill: Any = 0) -> torch.Tensor:
+    """Pad dim 0 of `t` up to `batch` rows.
+
+    fill: a scalar (every padded element), or a tensor broadcastable to one row `t.shape[1:]`
+    (e.g. a mask row in which each padded token sees its own column). `t` itself when already full.
+    """
+    n = t.shape[0]
+    if n > batch:
+        raise ValueError(f"{n} rows do not fit a batch of {batch}")
+    if n == batch:
+        return t
+    if isinstance(fill, torch.Tensor):
+        pad = fill.to(device=t.device, dtype=t.dtype).expand(batch - n, *t.shape[1:])
+    else:
+        pad = t.new_full((batch - n, *t.shape[1:]), fill)
+    return torch.cat([t, pad], dim=0)
+
+
+def trash_slots(slots: torch.Tensor, count: int, num_slots: int) -> torch.Tensor:
+    """`count` cache slots not in `slots` (lowest first), without a host sync."""
+    used = torch.zeros(num_slots, dtype=torch.bool, device=slots.device)
+    used[slots] = True
+    order = torch.argsort(used.to(torch.int8), stable=True)     # free slots first, in order
+    return order[:count]
+
+
+def pad_step(batch: int, ids: torch.Tensor, positions: torch.Tensor, write_cols: torch.Tensor,
+             mask: torch.Tensor, slots: torch.Tensor, adapter_on: torch.Tensor | None = None,
+             *, num_slots: int) -> tuple[torch.Tensor, ...]:
+    """Pad one model forward's inputs (LlamaModel.forward order) from n rows to `batch` rows.
+
+    Padded rows: ids 0, positions and write columns 0..N-1 (committed length 0), a causal mask
+    over those columns (each token sees its own column, never an empty row), a trash slot each
+    (slots the real rows do not use; the cache needs `num_slots >= batch`), adapter off.
+    Returns (ids, positions, write_cols, mask, slots, adapter_on); adapter_on stays None if None.
+    """
+    n, N = ids.shape
+    if num_slots < batch:
+        raise ValueError(f"a batch of {batch} rows needs a cache of >= {batch} slots, got {num_slots}")
+    dev = ids.device
+    cols = torch.arange(N, device=dev)
+    pad_mask = cache_mask(torch.zeros(1, dtype=torch.long, device=dev), causal_block(N, dev),
+                          mask.shape[-1])[0]
+    out = (pad_rows(ids, batch, 0),
+           pad_rows(positions, batch, cols.to(positions.dtype)),
+           pad_rows(write_cols, batch, cols.to(write_cols.dtype)),
+           pad_rows(mask, batch, pad_mask),
+           torch.cat([slots, trash_slots(slots, batch - n, num_slots).to(slots.dtype)]),
+           None if adapter_on is None else pad_rows(adapter_on, batch, False))
+    return out
+
+
+# --- the runner -------------------------------------------------------------------------------
+@dataclass
+class _Stats:
+    compiles: int = 0            # backend compilations (graph breaks and recompiles included)
+    calls: int = 0
+    compile_s: float = 0.0       # wall time of the calls that compiled (or captured)
+    captures: int = 0            # CUDA graph captures (cuda-graph keys only)
+
+    def as_dict(self) -> dict:
+        d = {"compiles": self.compiles, "calls": self.calls, "compile_s": self.compile_s}
+        if self.captures:
+            d["captures"] = self.captures
+        return d
+
+
+@dataclass
+class _Entry:
+    kind: str                    # "eager" | "compile" | "cuda-graph"
+    fn: Callable
+    compiled: Callable | None = None
+    # cuda-graph only
+    graph: Any = None
+    signature: tuple = ()
+    static_in: list = field(default_factory=list)
+    static_out: tuple = ()
+
+
+def _same_fn(a: Callable, b: Callable) -> bool:
+    return a is b or a == b          # bound methods of one object compare equal
+
+
+def _as_tuple(out) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
+
+
+class StepRunner:
+    def __init__(self, backend: str = "auto", max_graphs: int = 32, *, model: torch.nn.Module | None = None,
+                 compiler: str | Callable | None = None, warmup: int = 2):
+        """backend: auto | cuda-graph | compile | eager. max_graphs: CUDA graphs kept (LRU).
+
+        model: the model fn runs, if any; fastspec's compile backend packs its base weights for
+        the skinny GEMM (a snapshot: build a new runner if base weights change). compiler: the
+        torch.compile backend for compile/cuda-graph keys (default: fastspec's on the CPU,
+        inductor "max-autotune-no-cudagraphs" for CUDA graphs). warmup: runs before a capture.
+        """
+        if backend not in BACKENDS:
+            raise FastspecError(f"unknown runner backend {backend!r} (choose {', '.join(BACKENDS)})")
+        cuda = torch.cuda.is_available()
+        if backend == "cuda-graph" and not cuda:
+            raise FastspecError("the cuda-graph backend needs CUDA; use compile or eager on the CPU")
+        if max_graphs < 1:
+            raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
+        self.backend = backend
+        self.resolved = ("cuda-graph" if cuda else "compile") if backend == "auto" else backend
+        self.max_graphs = max_graphs
+        self.model = model
+        self.compiler = compiler
+        self.warmup = max(1, warmup)
+        self._entries: OrderedDict[GraphKey, _Entry] = OrderedDict()
+        self._stats: dict[GraphKey, _Stats] = {}
+        self._packed: dict | None = None
+        self._pool = None
+
+    # --- public -----------------------------------------------------------------------------
+    def run(self, key: GraphKey, fn: Callable[..., Any], *inputs: torch.Tensor | None,
+            static: Sequence[int] = ()) -> tuple[torch.Tensor, ...]:
+        """fn(*inputs) for this key, through the runner's backend. Always a tuple of tensors.
+
+        static: positions of inputs used in place by address (CUDA graphs; see the module doc).
+        """
+        st = self._stats.setdefault(key, _Stats())
+        st.calls += 1
+        entry = self._entries.get(key)
+        if entry is not None and not _same_fn(entry.fn, fn):
+            self._drop(key)                       # a new step for this key: build it again
+            entry = None
+        if entry is None:
+            entry = self._entries[key] = _Entry(self._kind_for(inputs), fn)
+        self._entries.move_to_end(key)
+        if entry.kind == "eager":
+            with torch.no_grad():
+                return _as_tuple(fn(*inputs))
+        if entry.kind == "compile":
+            return self._run_compiled(key, entry, st, inputs)
+        return self._run_graph(key, entry, st, inputs, tuple(static))
+
+    def stats(self) -> dict[GraphKey, dict]:
+        """{key: {"compiles": n, "calls": n, "compile_s": s[, "captures": n]}}."""
+        return {k: s.as_dict() for k, s in self._stats.items()}
+
+    def keys(self) -> list[GraphKey]:
+        """Keys with a live compiled step or graph, least recently used first."""
+        return list(self._entries)
+
+    def clear(self) -> None:
+        for key in list(self._entries):
+            self._drop(key)
+
+    # --- internals --------------------------------------------------------------------------
+    def _kind_for(self, inputs) -> str:
+        if self.resolved != "cuda-graph":
+            return self.resolved
+        on_cuda = [t.is_cuda for t in inputs if isinstance(t, torch.Tensor)]
+        if on_cuda and all(on_cuda):
+            return "cuda-graph"
+        if self.backend == "cuda-graph":
+            raise FastspecError("the cuda-graph backend needs every input tensor on a CUDA device")
+        return "compile"                           # auto with CPU inputs
+
+    def _drop(self, key: GraphKey) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None and entry.graph is not None:
+            entry.graph.reset()                   # frees its share of the pool
+        if entry is not None:
+            entry.graph, entry.static_in, entry.static_out = None, [], ()
+
+    def _base_compiler(self, kind: str) -> Callable:
+        """The torch.compile backend callable (gm, example_inputs) -> compiled."""
+        if self.compiler is not None:
+            if callable(self.compiler):
+                return self.compiler
+            from torch._dynamo import lookup_backend
+            return lookup_backend(self.compiler)
+        from torch._inductor.compile_fx import compile_fx
+        if kind == "cuda-graph":
+            import torch._inductor
+            patches = torch._inductor.list_mode_options(CUDA_GRAPH_MODE)
+
+            def inductor(gm, example_inputs):
+                return compile_fx(gm, example_inputs, config_patches=patches)
+            return inductor
+        from fastspec.graphs.compile import _pack_model, _skinny_backend, setup_inductor_cache
+        from fastspec.graphs import kernels
+        setup_inductor_cache()
+        if self._packed is None:
+            self._packed = (_pack_model(self.model) if self.model is not None and kernels.available()
+                            else {})
+        return _skinny_backend(self._packed)
+
+    def _compile(self, key: GraphKey, kind: str, fn: Callable) -> Callable:
+        # Every key compiles the same code object once more: lift dynamo's limits (default 8,
+        # after which it silently runs eager) as compile_forward does.
+        cfg = torch._dynamo.config
+        cfg.recompile_limit = max(cfg.recompile_limit, 4 * self.max_graphs, 64)
+        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 16 * self.max_graphs, 256)
+        base = self._base_compiler(kind)
+        st = self._stats[key]
+
+        def counting(gm, example_inputs):
+            st.compiles += 1
+            return base(gm, example_inputs)
+
+        return torch.compile(fn, backend=counting, dynamic=False, fullgraph=False)
+
+    def _run_compiled(self, key, entry: _Entry, st: _Stats, inputs) -> tuple[torch.Tensor, ...]:
+        before, t0 = st.compiles, time.perf_counter()
+        if entry.compiled is None:
+            entry.compiled = self._compile(key, "compile", entry.fn)
+        with torch.no_grad():
+            out = _as_tuple(entry.compiled(*inputs))
+        if st.compiles != before:
+            st.compile_s += time.perf_counter() - t0
+        return out
+
+    @staticmethod
+    def _signature(inputs, static: tuple) -> tuple:
+        sig = []
+        for i, t in enumerate(inputs):
+            if isinstance(t, torch.Tensor):
+                sig.append((tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device),
+                            t.data_ptr() if i in static else None))
+            else:
+                sig.append(("const", t if t is None or isinstance(t, (bool, int, float, str)) else id(t)))
+        return tuple(sig) + (static,)
+
+    def _run_graph(self, key, entry: _Entry, st: _Stats, inputs, static: tuple) -> tuple[torch.Tensor, ...]:
+        sig = self._signature(inputs, static)
+        if entry.graph is not None and entry.signature != sig:
+            fn = entry.fn                          # new shapes or a moved static buffer: recapture
+            self._drop(key)
+            entry = self._entries[key] = _Entry("cuda-graph", fn)
+        if entry.graph is None:
+            t0 = time.perf_counter()
+            self._capture(key, entry, inputs, static, sig)
+            st.captures += 1
+            st.compile_s += time.perf_counter() - t0
+            while len(self._entries) > self.max_graphs:
+                oldest = next(iter(self._entries))
+                self._drop(oldest)
+        else:
+            for i, (dst, src) in enumerate(zip(entry.static_in, inputs)):
+                if isinstance(src, torch.Tensor) and i not in static:
+                    dst.copy_(src, non_blocking=True)
+        entry.graph.replay()
+        return tuple(o.clone() for o in entry.static_out)
+
+    def _capture(self, key, entry: _Entry, inputs, static: tuple, sig: tuple) -> None:
+        tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+        device = tensors[0].device
+        if entry.compiled is None:
+            entry.compiled = self._compile(key, "cuda-graph", entry.fn)
+        with torch.no_grad():
+            static_in = [t if (i in static or not isinstance(t, torch.Tensor)) else t.clone()
+                         for i, t in enumerate(inputs)]
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(self.warmup):           # compiles (autotunes) and initialises libraries
+                entry.compiled(*static_in)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool):
+            static_out = _as_tuple(entry.compiled(*static_in))
+        entry.graph, entry.static_in, entry.static_out, entry.signature = graph, static_in, static_out, sig

@@ -1,0 +1,113 @@
+"""Forward profiles: JSON round trip, measured-else-roofline costs, a tiny eager profile run via the CLI."""
+import json
+import os
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from conftest import tiny_loaded
+from fastspec.cli.profile import profile as profile_cmd
+from fastspec.config import FastspecError
+from fastspec.graphs.profile import Profile, _config_dict, default_path, fit_points, slug
+from fastspec.graphs.roofline import Roofline, forward_bytes, forward_flops
+
+TRUTH = Roofline(alpha_c=2.0, beta_c=0.003, alpha_m=1.5, beta_m=0.002, peak_flops=100e9, bandwidth=40e9)
+
+
+def synthetic_profile() -> Profile:
+    cfg = tiny_loaded().cfg.replace(hidden_size=576, intermediate_size=1536, num_layers=30,
+                                    num_heads=9, num_kv_heads=3, head_dim=64, vocab_size=49152)
+    points = []
+    for b in (1, 4):
+        for n in (1, 4, 16, 32):
+            for lay in ("chain", "draft"):
+                t = float(TRUTH.predict(forward_flops(cfg, b, n, 256), forward_bytes(cfg, b, n, 256)))
+                points.append({"batch": b, "block": n, "layout": lay, "ctx": 256, "ms": t * 1e3,
+                               "compile_s": 1.5, "peak_mem_mb": 900.0})
+    fit = fit_points(cfg, points, TRUTH.peak_flops, TRUTH.bandwidth)
+    return Profile(device="cpu Test CPU (2 threads)", model="synthetic", dtype="float32", torch="x",
+                   backend="compile", config=_config_dict(cfg), points=points, roofline=fit.to_dict(),
+                   peak_flops=TRUTH.peak_flops, bandwidth=TRUTH.bandwidth)
+
+
+def test_round_trip_and_costs(tmp_path):
+    prof = synthetic_profile()
+    path = prof.save(str(tmp_path / "sub" / "p.json"))
+    back = Profile.load(path)
+    assert back.to_dict() == json.loads(json.dumps(prof.to_dict()))
+    assert back.cfg == prof.cfg
+    # A measured point: its measured time, exactly.
+    p = back.points[3]
+    assert back.cost_ms(p["batch"], p["block"], p["layout"], p["ctx"]) == p["ms"]
+    # An unmeasured point (batch 8, block 8, ctx 1024): the roofline's prediction.
+    want = float(back.fit().predict(forward_flops(back.cfg, 8, 8, 1024),
+                                    forward_bytes(back.cfg, 8, 8, 1024))) * 1e3
+    assert back.measured(8, 8, "chain", 1024) is None
+    assert back.cost_ms(8, 8, "chain", 1024) == pytest.approx(want)
+    # The fit recovered the synthetic truth closely enough to extrapolate.
+    truth = float(TRUTH.predict(forward_flops(back.cfg, 8, 8, 1024), forward_bytes(back.cfg, 8, 8, 1024)))
+    assert want == pytest.approx(truth * 1e3, rel=0.05)
+    assert back.fit_error() < 0.05
+
+
+def test_load_errors_are_one_line(tmp_path):
+    with pytest.raises(FastspecError, match="no profile"):
+        Profile.load(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(FastspecError, match="cannot read"):
+        Profile.load(str(bad))
+    bad.write_text(json.dumps({"device": "x"}))
+    with pytest.raises(FastspecError, match="not a fastspec profile"):
+        Profile.load(str(bad))
+
+
+def test_no_fit_without_two_shapes():
+    prof = synthetic_profile()
+    prof.points = prof.points[:2]                       # one shape, two layouts
+    prof.roofline = None
+    p = prof.points[0]
+    assert prof.cost_ms(1, 1, p["layout"], 256) == p["ms"]
+    with pytest.raises(FastspecError, match="roofline"):
+        prof.cost_ms(4, 4, "chain", 256)
+
+
+def test_default_path_names_device_and_model():
+    assert default_path("cpu AMD EPYC (2 threads)", "smollm2-135m") == os.path.join(
+        "profiles", "cpu-amd-epyc-smollm2-135m.json")
+    assert slug("NVIDIA H200") == "nvidia-h200"
+
+
+def test_tiny_profile_run_writes_json_and_png(tmp_path):
+    out, trace = tmp_path / "tiny.json", tmp_path / "trace.json"
+    result = CliRunner().invoke(profile_cmd, [
+        "--model", "tiny-random", "--backend", "eager", "--batch", "1,2", "--block", "1,4",
+        "--context", "32", "--reps", "2", "--bandwidth-mib", "8", "--out", str(out),
+        "--trace", str(trace)])
+    assert result.exit_code == 0, result.output
+    assert "N=4" in result.output and "roofline" in result.output
+    prof = Profile.load(str(out))
+    assert prof.model == "tiny-random" and prof.backend == "eager" and prof.torch
+    assert len(prof.points) == 2 * 2 * 2               # batch × block × layout (chain, draft)
+    assert {(p["batch"], p["block"]) for p in prof.points} == {(1, 1), (1, 4), (2, 1), (2, 4)}
+    assert all(p["ms"] > 0 and p["compile_s"] >= 0 and p["peak_mem_mb"] > 0 for p in prof.points)
+    assert prof.roofline is not None and prof.peak_flops > 0 and prof.bandwidth > 0
+    assert np.isfinite(prof.cost_ms(8, 16, "draft", 128))
+    png = out.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any("B2xN4 draft ctx32" in e.get("name", "") for e in events)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--layout", "tree"], "--layout"),
+    (["--batch", "0"], "--batch"),
+    (["--block", "a,b"], "--block"),
+    (["--context", "100000"], "exceeds"),
+])
+def test_bad_options_are_one_line_errors(args, needle):
+    result = CliRunner().invoke(profile_cmd, ["--model", "tiny-random", "--backend", "eager",
+                                              "--bandwidth-mib", "8", *args])
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output and needle in result.output, result.output

@@ -1,0 +1,182 @@
+"""StepRunner: padded bucketed steps equal the eager unpadded forward on every backend; keys compile once."""
+import pytest
+import torch
+
+from conftest import tiny_loaded
+from fastspec.config import FastspecError
+from fastspec.draft import AdapterConfig, attach_adapter
+from fastspec.graphs.keys import GraphKey, batch_bucket
+from fastspec.graphs.runner import StepRunner, pad_rows, pad_step, trash_slots
+from fastspec.kv_cache import KVCache
+from fastspec.layout import cache_mask, causal_block
+from fastspec.methods.linear import draft_block_mask
+
+CUDA = torch.cuda.is_available()
+N = 4
+MAX_LEN = 40
+LENGTHS = (5, 9, 3, 12, 1)
+
+# (runner backend, torch.compile backend): the inductor compile has its own single test below.
+BACKENDS = [
+    pytest.param("eager", None, "cpu", id="eager"),
+    pytest.param("compile", "aot_eager", "cpu", id="compile-aot_eager"),
+    pytest.param("cuda-graph", None, "cuda", id="cuda-graph",
+                 marks=pytest.mark.skipif(not CUDA, reason="needs CUDA")),
+]
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    """The tiny model with a draft adapter whose LoRA is non-zero (so adapter flags matter)."""
+    t = tiny_loaded(seed=3)
+    attach_adapter(t.model, AdapterConfig(rank=4, alpha=8.0), seed=1)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for blk in t.model.layers:
+            for lora in blk.attn.lora.values():
+                lora.B.copy_(0.3 * torch.randn(lora.B.shape, generator=g))
+        t.model.mask_embed.add_(0.1 * torch.randn(t.model.mask_embed.shape, generator=g))
+    t.model.requires_grad_(False)
+    return t
+
+
+def case(t, n: int, layout: str, device: str, seed: int = 0):
+    """Unpadded inputs of one forward of n requests (slots 0..n-1) and a cache with a random prefix."""
+    cfg, model = t.cfg, t.model
+    g = torch.Generator().manual_seed(seed)
+    bucket = batch_bucket(n)
+    cache = KVCache(cfg, bucket, MAX_LEN)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    lengths = torch.tensor(LENGTHS[:n])
+    ids = torch.randint(0, cfg.vocab_size, (n, N), generator=g)
+    cols = lengths[:, None] + torch.arange(N)
+    if layout == "chain":                      # LinearSS verify: causal, adapter off
+        block_mask, adapter_on = causal_block(N), None
+    else:                                      # LinearSS draft: seed + masks, per-row blocks
+        blocks = torch.tensor([N, N - 1, 2, N, 3][:n])
+        block_mask = draft_block_mask(blocks, N)
+        ids[:, 1:] = model.mask_token_id
+        adapter_on = (torch.arange(N) > 0)[None, :].expand(n, N).contiguous()
+    mask = cache_mask(lengths, block_mask, MAX_LEN)
+    slots = torch.arange(n)
+    to = (lambda x: None if x is None else x.to(device))
+    return (bucket, to(ids), to(cols), to(cols), to(mask), to(slots), to(adapter_on),
+            cache.k.to(device), cache.v.to(device))
+
+
+def reference(model, ids, pos, cols, mask, slots, adapter_on, k, v):
+    k, v = k.clone(), v.clone()
+    with torch.no_grad():
+        logits = model(ids, pos, k, v, cols, mask, slots, adapter_on)
+    return logits, k, v
+
+
+@pytest.mark.parametrize("backend, compiler, device", BACKENDS)
+@pytest.mark.parametrize("layout", ["chain", "draft"])
+@pytest.mark.parametrize("n", [3, 5])
+def test_padded_bucket_matches_eager_unpadded(drafter, backend, compiler, device, layout, n):
+    model = drafter.model.to(device)
+    bucket, ids, pos, cols, mask, slots, adapter_on, k, v = case(drafter, n, layout, device)
+    ref_logits, ref_k, ref_v = reference(model, ids, pos, cols, mask, slots, adapter_on, k, v)
+
+    P = pad_step(bucket, ids, pos, cols, mask, slots, adapter_on, num_slots=k.shape[1])
+    assert P[0].shape == (bucket, N) and P[3].shape == (bucket, N, MAX_LEN)
+
+    def step(ids, pos, k, v, cols, mask, slots, adapter_on):
+        return (model(ids, pos, k, v, cols, mask, slots, adapter_on),)
+
+    runner = StepRunner(backend, compiler=compiler, model=model)
+    key = GraphKey(bucket, N, layout)
+    for call in range(2):
+        kc, vc = k.clone(), v.clone()
+        logits, = runner.run(key, step, P[0], P[1], kc, vc, P[2], P[3], P[4], P[5], static=(2, 3))
+        assert logits.shape == (bucket, N, drafter.cfg.vocab_size)
+        assert torch.isfinite(logits).all(), "padded rows must never produce NaN"
+        torch.testing.assert_close(logits[:n], ref_logits, rtol=1e-4, atol=1e-4)
+        # The real rows' K/V land where eager puts them; untouched slots stay as they were.
+        torch.testing.assert_close(kc[:, :n], ref_k[:, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(vc[:, :n], ref_v[:, :n], rtol=1e-5, atol=1e-5)
+        if call == 0:
+            first = dict(runner.stats()[key])
+    second = runner.stats()[key]
+    assert second["calls"] == 2
+    assert second["compiles"] == first["compiles"], "the second call of a key must not recompile"
+    if backend != "eager":
+        assert first["compiles"] >= 1
+    drafter.model.to("cpu")
+
+
+def test_inductor_compile_pads_and_does_not_recompile(drafter):
+    """The one test on fastspec's real compile backend (skinny GEMM + inductor): 3 rows in the 4 bucket."""
+    model = drafter.model
+    bucket, ids, pos, cols, mask, slots, adapter_on, k, v = case(drafter, 3, "chain", "cpu", seed=1)
+    ref_logits, ref_k, _ = reference(model, ids, pos, cols, mask, slots, adapter_on, k, v)
+    P = pad_step(bucket, ids, pos, cols, mask, slots, num_slots=k.shape[1])
+    runner = StepRunner("auto", model=model)          # auto = compile on the CPU
+    assert runner.resolved == ("cuda-graph" if CUDA else "compile")
+    key = GraphKey(bucket, N, "chain")
+
+    def step(*inputs):
+        return model(*inputs)                          # a bare tensor comes back as a 1-tuple
+
+    for _ in range(2):
+        kc, vc = k.clone(), v.clone()
+        out = runner.run(key, step, P[0], P[1], kc, vc, P[2], P[3], P[4], static=(2, 3))
+        assert isinstance(out, tuple) and len(out) == 1
+        assert torch.isfinite(out[0]).all()
+        torch.testing.assert_close(out[0][:3], ref_logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(kc[:, :3], ref_k[:, :3], rtol=1e-5, atol=1e-5)
+    s = runner.stats()[key]
+    assert s["calls"] == 2 and s["compiles"] >= 1 and s["compile_s"] > 0
+    assert s["compiles"] == 1                          # one graph (no breaks), compiled once
+
+
+def test_new_fn_for_a_key_rebuilds_it():
+    runner = StepRunner("compile", compiler="aot_eager")
+    key = GraphKey(1, 2, "ar")
+    x = torch.arange(4.0).view(1, 4)
+    assert torch.equal(runner.run(key, lambda t: (t * 2,), x)[0], x * 2)
+    assert torch.equal(runner.run(key, lambda t: (t + 1,), x)[0], x + 1)
+    assert runner.stats()[key]["compiles"] == 2 and runner.keys() == [key]
+
+
+def test_pad_rows_and_trash_slots():
+    t = torch.arange(6).view(3, 2)
+    assert pad_rows(t, 3) is t
+    assert pad_rows(t, 4).tolist() == [[0, 1], [2, 3], [4, 5], [0, 0]]
+    assert pad_rows(t, 5, fill=7)[3:].tolist() == [[7, 7], [7, 7]]
+    assert pad_rows(t, 4, fill=torch.tensor([8, 9]))[3].tolist() == [8, 9]
+    with pytest.raises(ValueError):
+        pad_rows(t, 2)
+    assert trash_slots(torch.tensor([0, 2, 5]), 3, 8).tolist() == [1, 3, 4]
+
+
+def test_pad_step_rules():
+    """Padded rows: zero ids, their own unused slot, length 0, own token visible, adapter off."""
+    n, B, ctx = 3, 4, 16
+    lengths = torch.tensor([2, 5, 1])
+    ids = torch.ones(n, N, dtype=torch.long)
+    cols = lengths[:, None] + torch.arange(N)
+    mask = cache_mask(lengths, causal_block(N), ctx)
+    slots = torch.tensor([3, 0, 1])
+    on = torch.ones(n, N, dtype=torch.bool)
+    p_ids, p_pos, p_cols, p_mask, p_slots, p_on = pad_step(B, ids, cols, cols, mask, slots, on,
+                                                           num_slots=B)
+    assert p_ids[n:].eq(0).all() and p_slots.tolist() == [3, 0, 1, 2]
+    assert p_cols[n:].tolist() == [list(range(N))] and not p_on[n:].any()
+    own = p_mask[n:, torch.arange(N), p_cols[n]]
+    assert own.all() and p_mask[n:].any(-1).all()
+    assert torch.equal(p_mask[:n], mask) and torch.equal(p_ids[:n], ids)
+    with pytest.raises(ValueError):
+        pad_step(8, ids, cols, cols, mask, slots, num_slots=4)
+
+
+def test_backend_choice():
+    with pytest.raises(FastspecError):
+        StepRunner("tensorrt")
+    assert StepRunner("eager").resolved == "eager"
+    if not CUDA:
+        assert StepRunner("auto").resolved == "compile"
+        with pytest.raises(FastspecError, match="CUDA"):
+            StepRunner("cuda-graph")
