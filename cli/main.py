@@ -39,10 +39,11 @@ def model_options(fn):
                            "(config.json + *.safetensors) or a .gguf file.")(fn)
     fn = click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
                       show_default=True, help="Weight and activation precision.")(fn)
-    fn = click.option("--backend", type=click.Choice(["compile", "eager"]), default="compile",
-                      show_default=True,
-                      help="compile: torch.compile'd static decode step (fast after a warm-up); "
-                           "eager: plain PyTorch (no warm-up).")(fn)
+    fn = click.option("--backend", type=click.Choice(["auto", "cuda-graph", "compile", "eager"]),
+                      default="auto", show_default=True,
+                      help="auto: CUDA graphs on a GPU, torch.compile on CPU. compile: one "
+                           "torch.compile'd static step per (batch, block, layout), fast after a "
+                           "warm-up. eager: plain PyTorch (no warm-up).")(fn)
     return fn
 
 
@@ -77,6 +78,8 @@ def cli():
       fastspec chat                              interactive chat
       fastspec bench --suite math --limit 5      speed (and accuracy) on GSM8K & co.
       fastspec speed                             fastspec vs transformers, CPU roofline
+      fastspec profile                           step cost per (batch, block, layout) + roofline fit
+      fastspec train-drafter                     train the draft adapter
     """
 
 
@@ -218,12 +221,14 @@ def speed(model, new_tokens, batches, ns, context, no_hf, json_out):
               json_out=json_out, console=console)
 
 
-def _register_training() -> None:
+def _register_commands() -> None:
+    from fastspec.cli.profile import profile
     from fastspec.train.command import train_drafter
     cli.add_command(train_drafter)
+    cli.add_command(profile)
 
 
-_register_training()
+_register_commands()
 
 
 def parse_int_list(text: str, flag: str) -> list[int]:

@@ -96,7 +96,7 @@ def profile(model, dtype, backend, batches, blocks, layouts, contexts, reps, out
 
     prof = run_profile(loaded, batches=batch_list, blocks=block_list, layouts=layout_list,
                        contexts=ctx_list, backend=backend, reps=reps, bandwidth_mib=bandwidth_mib,
-                       trace=trace, on_point=progress)
+                       trace=trace, on_point=progress, checkpoint=out)
     prof.save(out)
     write_heatmap(prof, png)
     console.print(render_table(prof))

@@ -19,7 +19,8 @@ import torch
 
 from fastspec.config import FastspecError
 from fastspec.draft import has_adapter
-from fastspec.graphs.keys import batch_bucket
+from fastspec.graphs.keys import GraphKey, batch_bucket
+from fastspec.graphs.runner import StepRunner
 from fastspec.kv_cache import KVCache
 from fastspec.methods import Method, get_method
 from fastspec.layout import cache_mask, causal_block
@@ -117,10 +118,9 @@ class Scheduler:
 
 
 class Engine:
-    def __init__(self, loaded, backend: str = "compile", max_context: int | None = None):
-        """loaded: a `fastspec.model.loader.LoadedModel`. backend: compile | eager."""
-        if backend not in ("compile", "eager"):
-            raise FastspecError(f"unknown backend {backend!r} (choose compile or eager)")
+    def __init__(self, loaded, backend: str = "auto", max_context: int | None = None):
+        """loaded: a `fastspec.model.loader.LoadedModel`.
+        backend: auto (CUDA graphs on GPU, torch.compile on CPU) | cuda-graph | compile | eager."""
         self.loaded = loaded
         self.model = loaded.model
         self.cfg = loaded.cfg
@@ -135,7 +135,8 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = eos
         self.cache: KVCache | None = None
-        self._decode_forward: Callable | None = None
+        # One compiled step (or captured graph) per GraphKey(batch, block, layout).
+        self.runner = StepRunner(backend, model=self.model)
         self.warmup_s = 0.0
         self._warm: set = set()
         self.last_stats = self.stats = RunStats()
@@ -197,15 +198,11 @@ class Engine:
         self.cache.lengths.zero_()
         return time.perf_counter() - t0
 
-    def forward_fn(self) -> Callable:
-        """The model forward through the backend (compiled once; new shapes compile on first use)."""
-        if self._decode_forward is None:
-            if self.backend == "compile":
-                from fastspec.graphs.compile import compile_forward
-                self._decode_forward = compile_forward(self.model, "compile")
-            else:
-                self._decode_forward = self.model.forward
-        return self._decode_forward
+    @torch.no_grad()
+    def model_forward(self, *args):
+        """The step every GraphKey runs: one model forward (kept as one function object, so
+        the runner recognises it across calls)."""
+        return self.model(*args)
 
     # --- the two forwards -------------------------------------------------------------------
     @torch.no_grad()
@@ -227,11 +224,12 @@ class Engine:
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, block_mask: torch.Tensor,
-                adapter_on: torch.Tensor | None = None) -> torch.Tensor:
+                adapter_on: torch.Tensor | None = None, layout: str = "chain") -> torch.Tensor:
         """One forward of n new tokens for every slot, written after each slot's committed length.
 
         ids [S, n]; block_mask [n, n] or [S, n, n] among the new tokens (the committed prefix is
-        always visible); adapter_on [S, n]. Returns logits [S, n, V]. Nothing is committed.
+        always visible); adapter_on [S, n]; layout names the branch shape for the GraphKey.
+        Returns logits [S, n, V]. Nothing is committed.
         """
         c = self.cache
         lengths = c.lengths
@@ -239,7 +237,10 @@ class Engine:
         mask = cache_mask(lengths, block_mask, c.max_len)
         slots = torch.arange(c.num_slots, device=self.device)
         self.stats.forwards += 1
-        return self.forward_fn()(ids, cols, c.k, c.v, cols, mask, slots, adapter_on)
+        key = GraphKey(c.num_slots, ids.shape[1], layout)
+        # The K/V caches (inputs 2, 3) are written in place: the runner uses them by address.
+        return self.runner.run(key, self.model_forward, ids, cols, c.k, c.v, cols, mask, slots,
+                               adapter_on, static=(2, 3))[0]
 
     # --- the loop ---------------------------------------------------------------------------
     def generate(self, prompts: Seq[str | list[int]],

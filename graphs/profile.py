@@ -138,7 +138,7 @@ class Profile:
     torch: str
     backend: str
     config: dict                        # the ModelConfig fields: FLOPs and bytes for the roofline
-    points: list[dict]                  # {batch, block, layout, ctx, ms, compile_s, peak_mem_mb}
+    points: list[dict]                  # {batch, block, layout, ctx, ms, ms_min, compile_s, peak_mem_mb}
     roofline: dict | None               # Roofline.to_dict(), None when too few points to fit
     peak_flops: float                   # nominal FLOP/s (fp32 GEMM microbenchmark)
     bandwidth: float                    # nominal bytes/s (sum over a large tensor)
@@ -257,8 +257,8 @@ def forward_inputs(cfg: ModelConfig, batch: int, block: int, layout: str, ctx: i
     return ids, cols, k, v, cols, mask, slots, adapter_on
 
 
-def time_forward(fwd: Callable, inputs: tuple, device: torch.device, reps: int) -> tuple[float, float]:
-    """(first-call seconds, median ms of `reps` further calls after one warm-up call)."""
+def time_forward(fwd: Callable, inputs: tuple, device: torch.device, reps: int) -> tuple[float, float, float]:
+    """(first-call seconds, median ms, min ms) of `reps` further calls after one warm-up call."""
     with torch.no_grad():
         _sync(device)
         t0 = time.perf_counter()
@@ -273,7 +273,7 @@ def time_forward(fwd: Callable, inputs: tuple, device: torch.device, reps: int) 
             fwd(*inputs)
             _sync(device)
             times.append(time.perf_counter() - t0)
-    return first, statistics.median(times) * 1e3
+    return first, statistics.median(times) * 1e3, min(times) * 1e3
 
 
 def _ensure_adapter(model) -> str:
@@ -290,12 +290,15 @@ def run_profile(loaded, batches: Iterable[int] = (1, 4), blocks: Iterable[int] =
                 layouts: Iterable[str] = LAYOUTS, contexts: Iterable[int] = (256,),
                 backend: str = "compile", reps: int = 10, bandwidth_mib: int = 1024,
                 gemm_n: int = 1024, trace: str | None = None,
-                on_point: Callable[[dict], None] | None = None) -> Profile:
+                on_point: Callable[[dict], None] | None = None,
+                checkpoint: str | None = None) -> Profile:
     """Measure every (batch, block, layout, ctx) point and fit the roofline.
 
     loaded: a LoadedModel. backend: compile | inductor | eager (graphs/compile.py modes). A draft
     layout on a model without a draft adapter attaches a fresh one (same FLOPs as a trained one).
     trace: write a torch.profiler Chrome trace of one forward per shape to this file.
+    checkpoint: save the profile measured so far to this path after every point (an interrupted
+    run keeps its points). `ms` is the median of `reps` timed calls, `ms_min` the fastest.
     """
     from fastspec.graphs.compile import compile_forward
     batches, blocks, layouts, contexts = (sorted(set(x)) for x in (batches, blocks, layouts, contexts))
@@ -324,7 +327,17 @@ def run_profile(loaded, batches: Iterable[int] = (1, 4), blocks: Iterable[int] =
     bw = measure_bandwidth(device, mib=bandwidth_mib)
     meta["microbench"] = {"gemm_n": gemm_n, "bandwidth_mib": bandwidth_mib}
     fwd = compile_forward(model, backend)
+    bpp = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
     points, shapes = [], []
+
+    def assemble() -> Profile:
+        fit = fit_points(cfg, points, peak, bw, bpp)
+        return Profile(device=device_name(device), model=loaded.name,
+                       dtype=str(dtype).replace("torch.", ""), torch=torch.__version__,
+                       backend=backend, config=_config_dict(cfg), points=list(points),
+                       roofline=None if fit is None else fit.to_dict(), peak_flops=peak,
+                       bandwidth=bw, bytes_per_param=bpp, meta=meta)
+
     for ctx in contexts:
         for batch in batches:
             for block in blocks:
@@ -333,22 +346,19 @@ def run_profile(loaded, batches: Iterable[int] = (1, 4), blocks: Iterable[int] =
                                             model.mask_token_id)
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats(device)
-                    first, ms = time_forward(fwd, inputs, device, reps)
+                    first, ms, ms_min = time_forward(fwd, inputs, device, reps)
                     p = {"batch": batch, "block": block, "layout": layout, "ctx": ctx,
-                         "ms": ms, "compile_s": max(first - ms / 1e3, 0.0),
+                         "ms": ms, "ms_min": ms_min, "compile_s": max(first - ms / 1e3, 0.0),
                          "peak_mem_mb": peak_memory_mb(device)}
                     points.append(p)
                     shapes.append((p, inputs))
                     if on_point is not None:
                         on_point(p)
-    bpp = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
-    fit = fit_points(cfg, points, peak, bw, bpp)
+                    if checkpoint:
+                        assemble().save(checkpoint)
     if trace:
         write_trace(fwd, shapes, device, trace)
-    return Profile(device=device_name(device), model=loaded.name, dtype=str(dtype).replace("torch.", ""),
-                   torch=torch.__version__, backend=backend, config=_config_dict(cfg), points=points,
-                   roofline=None if fit is None else fit.to_dict(), peak_flops=peak, bandwidth=bw,
-                   bytes_per_param=bpp, meta=meta)
+    return assemble()
 
 
 def write_trace(fwd: Callable, shapes: list[tuple[dict, tuple]], device: torch.device, path: str) -> str:

@@ -68,11 +68,11 @@ def test_uncommitted_speculative_kv_leaves_later_outputs_unchanged(tiny):
     calls = {"n": 0}
     original = engine.forward
 
-    def forward_after_garbage(ids, block_mask, adapter_on=None):
+    def forward_after_garbage(ids, block_mask, adapter_on=None, layout="chain"):
         calls["n"] += 1
         garbage = torch.randint(3, 512, (ids.shape[0], 6))
         original(garbage, causal_block(6))            # writes K/V after every slot's prefix
-        return original(ids, block_mask, adapter_on)
+        return original(ids, block_mask, adapter_on, layout)
 
     engine.forward = forward_after_garbage
     assert engine.generate([prompt], params)[0].token_ids == reference

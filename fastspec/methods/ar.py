@@ -15,7 +15,7 @@ class AR(Method):
         super().__init__(block=1)
 
     def round(self, engine, pending, blocks) -> RoundOutput:
-        logits = engine.forward(pending[:, None], causal_block(1, pending.device))
+        logits = engine.forward(pending[:, None], causal_block(1, pending.device), layout="ar")
         token = sample_tokens(logits[:, 0], engine.sampler)
         one = torch.ones_like(pending)
         return RoundOutput(token[:, None], one, torch.zeros_like(pending), forwards=1)

@@ -59,7 +59,7 @@ class LinearSS(Method):
         ids = torch.full((S, n), engine.mask_token_id, dtype=torch.long, device=pending.device)
         ids[:, 0] = pending
         adapter_on = torch.arange(n, device=pending.device)[None, :].expand(S, n) > 0
-        logits = engine.forward(ids, draft_block_mask(blocks, n), adapter_on=adapter_on)
+        logits = engine.forward(ids, draft_block_mask(blocks, n), adapter_on=adapter_on, layout="draft")
         s = engine.sampler
         logp = filtered_logprobs(logits, s.temperature[:S], s.top_k[:S], s.top_p[:S], s.any_filtered)
         top2 = logits.float().softmax(-1).topk(2, dim=-1).values
@@ -70,7 +70,7 @@ class LinearSS(Method):
         n = engine.round_width
         drafts, draft_logp = self.draft(engine, pending, blocks, n)
         verify_ids = torch.cat([pending[:, None], drafts[:, : n - 1]], dim=1)
-        target_logits = engine.forward(verify_ids, causal_block(n, pending.device))
+        target_logits = engine.forward(verify_ids, causal_block(n, pending.device), layout="chain")
         emitted, n_emitted, accepted = accept_chain(drafts, target_logits, blocks, engine.sampler,
                                                     draft_logp if engine.sampler.any_sampled else None)
         return RoundOutput(emitted, n_emitted, accepted, forwards=2)

@@ -158,8 +158,9 @@ def train_drafter(model, out, data, max_prompts, target_tokens, block, blocks_pe
 
     cache_file = target_cache_path(loaded, target_tokens)
     t0 = time.perf_counter()
+    # Targets come from the compiled engine (several times faster than eager at C=16).
     examples = build_targets(loaded, prompts, target_tokens, cache_file, concurrency=gen_concurrency,
-                             console=console)
+                             console=console, backend="auto")
     gen_s = time.perf_counter() - t0
     n_tok = sum(len(e.target_ids) for e in examples)
     console.print(f"targets: {len(examples)} sequences, {n_tok} tokens ({cache_file}"
