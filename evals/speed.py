@@ -31,18 +31,6 @@ PROMPTS = [
 ]
 
 
-def read_bandwidth_gbs(size_mb: int = 1024, reps: int = 5) -> float:
-    """Sustained read bandwidth: best of `reps` sums over a buffer far larger than the caches."""
-    x = torch.ones(size_mb * 1024 * 1024 // 4)
-    x.sum()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best / 1e9
-
-
 def time_fn(fn, reps: int = 10, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
@@ -129,7 +117,8 @@ def run_speed(*, model, new_tokens, batches, ns, context, hf, json_out, console:
     loaded = load_model(model)
     engine = Engine(loaded, backend="auto")
     cfg = loaded.cfg
-    bw = read_bandwidth_gbs()
+    from fastspec.graphs.profile import measure_bandwidth
+    bw = measure_bandwidth() / 1e9
     weight_bytes = cfg.weight_bytes(4)
     floor_ms = weight_bytes / (bw * 1e9) * 1e3
     console.print(f"model {model}: {weight_bytes / 1e6:.0f} MB of weights per step; read bandwidth "
