@@ -4,33 +4,13 @@ Every user error becomes one line on stderr and exit code 1 (2 for bad flags, fr
 """
 from __future__ import annotations
 
-import functools
 import os
-import sys
 
 import click
-from rich.console import Console
 
-from fastspec.config import FastspecError
+from fastspec.config import FastspecError, parse_int_list
 
-# Piped output (CI logs, files) gets wide tables instead of 80 columns of ellipses.
-console = Console(stderr=False, width=None if sys.stdout.isatty() else 160)
-err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
-
-
-def user_errors(fn):
-    """Turn expected failures into one clear line and a non-zero exit, never a traceback."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except FastspecError as e:
-            err_console.print(f"[bold red]error:[/] {e}", highlight=False, markup=True)
-            sys.exit(1)
-        except KeyboardInterrupt:
-            err_console.print("interrupted")
-            sys.exit(130)
-    return wrapper
+from fastspec.cli.common import console, err_console, user_errors  # noqa: E402
 
 
 def model_options(fn):
@@ -223,22 +203,12 @@ def speed(model, new_tokens, batches, ns, context, no_hf, json_out):
 
 def _register_commands() -> None:
     from fastspec.cli.profile import profile
-    from fastspec.train.command import train_drafter
+    from fastspec.cli.train import train_drafter
     cli.add_command(train_drafter)
     cli.add_command(profile)
 
 
 _register_commands()
-
-
-def parse_int_list(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(x) for x in str(text).split(",") if x.strip()]
-    except ValueError:
-        raise FastspecError(f"{flag} takes comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise FastspecError(f"{flag} takes positive integers, got {text!r}")
-    return values
 
 
 def main():

@@ -1,36 +1,16 @@
 """`fastspec profile`: time one forward over batch × block × layout × context, fit the roofline.
 
-Register with `cli.add_command(profile)` (fastspec.cli.main). This module imports nothing from
-fastspec.cli.main at import time (main may import it while still initialising); the user-error
+Registered by fastspec.cli.main with `cli.add_command(profile)`; the user-error
 wrapper and the consoles are looked up when the command runs.
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import click
 
-from fastspec.config import FastspecError
-
-
-def _user_errors(fn):
-    """fastspec.cli.main.user_errors, resolved at call time (no import cycle)."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        from fastspec.cli.main import user_errors
-        return user_errors(fn)(*args, **kwargs)
-    return wrapper
-
-
-def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(x) for x in str(text).split(",") if x.strip()]
-    except ValueError:
-        raise FastspecError(f"{flag} takes comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise FastspecError(f"{flag} takes positive integers, got {text!r}")
-    return values
+from fastspec.cli.common import user_errors
+from fastspec.config import FastspecError, parse_int_list
 
 
 @click.command()
@@ -56,7 +36,7 @@ def _int_list(text: str, flag: str) -> list[int]:
               help="Also write a torch.profiler Chrome trace (one forward per shape) to this file.")
 @click.option("--bandwidth-mib", type=int, default=1024, show_default=True,
               help="Size of the tensor summed to measure memory bandwidth.")
-@_user_errors
+@user_errors
 def profile(model, dtype, backend, batches, blocks, layouts, contexts, reps, out, png, trace,
             bandwidth_mib):
     """Profile one forward's time per shape: table, heatmap, roofline fit, JSON.
@@ -69,9 +49,9 @@ def profile(model, dtype, backend, batches, blocks, layouts, contexts, reps, out
     from fastspec.graphs.profile import (LAYOUTS, default_path, device_name, fit_summary,
                                          render_table, run_profile, write_heatmap)
     from fastspec.model.loader import load_model
-    batch_list = _int_list(batches, "--batch")
-    block_list = _int_list(blocks, "--block")
-    ctx_list = _int_list(contexts, "--context")
+    batch_list = parse_int_list(batches, "--batch")
+    block_list = parse_int_list(blocks, "--block")
+    ctx_list = parse_int_list(contexts, "--context")
     layout_list = [x.strip() for x in layouts.split(",") if x.strip()]
     bad = [x for x in layout_list if x not in LAYOUTS]
     if bad or not layout_list:

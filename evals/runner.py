@@ -16,7 +16,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fastspec.config import FastspecError
+from fastspec.config import FastspecError, parse_int_list
 from fastspec.sampling import SamplingParams
 
 
@@ -124,7 +124,6 @@ def environment(model: str, dtype: str, backend: str) -> dict:
 def run_bench(*, model, dtype, backend, max_new_tokens, temperature, top_p, top_k, seed, suite,
               benches, prompts_file, limit, methods, blocks, concurrency, data_dir, json_out,
               peers, baseline, console: Console, load_engine):
-    from fastspec.cli.main import parse_int_list
     from fastspec.evals.prompts import build_messages
     from fastspec.evals.report import metrics, print_report
     from fastspec.evals.scoring import score

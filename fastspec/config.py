@@ -12,6 +12,17 @@ class FastspecError(Exception):
     """An error with a one-line message meant for the user (the CLI prints it without a traceback)."""
 
 
+def parse_int_list(text: str, flag: str) -> list[int]:
+    """"1,4,8" -> [1, 4, 8] for a command-line flag; anything else is a one-line error."""
+    try:
+        values = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise FastspecError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise FastspecError(f"{flag} takes positive integers, got {text!r}")
+    return values
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int

@@ -1,5 +1,4 @@
 import os
-import sys
 from types import SimpleNamespace
 
 import pytest

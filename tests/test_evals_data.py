@@ -1,6 +1,5 @@
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest

@@ -61,7 +61,6 @@ def test_greedy_linear_equals_ar_token_for_token(block, concurrency):
 
 def test_seed_prediction_is_exactly_the_verifier_next_token():
     engine = drafting_engine()
-    cfg = engine.cfg
     engine.prepare(1, 64)
     engine.sampler = SamplerState(1)
     engine.cache.lengths.fill_(5)
@@ -87,8 +86,6 @@ def test_rejection_sampling_preserves_the_target_distribution():
     distances = []
     for samples, seed in ((500, 1), (50_000, 2)):
         sampler = SamplerState(samples, seed=seed)
-        for s in range(samples):
-            pass
         sampler.temperature.fill_(1.0)
         sampler.any_sampled = True
         q = draft_logits.log_softmax(-1).expand(samples, n, V)
@@ -106,7 +103,6 @@ def test_speculative_sampling_on_the_model_matches_exact_two_token_law():
     """End to end: LinearSS sampling gives (x1, x2) with the model's exact joint law."""
     engine = drafting_engine(seed=1)
     prompt = [5, 9, 11]
-    params = SamplingParams(temperature=1.0, top_k=4, max_new_tokens=3, seed=3)
     # Exact law of the first two tokens under top-4 sampling.
     m = engine.model
     def next_law(ids):

@@ -275,7 +275,7 @@ def test_general_prompts_are_not_benchmark_items():
 def test_train_drafter_command_end_to_end(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    from fastspec.train.command import train_drafter
+    from fastspec.cli.train import train_drafter
     monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path / "cache"))
     data = tmp_path / "q.jsonl"
     data.write_text(json.dumps({"question": "What is 2 + 3?"}) + "\n")

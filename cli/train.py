@@ -10,32 +10,15 @@ with the same command; the loss / acceptance log is `<out>/train_log.jsonl`.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import shlex
-import sys
 import time
 from pathlib import Path
 
 import click
 
+from fastspec.cli.common import user_errors
 from fastspec.config import FastspecError
-
-
-def _user_errors(fn):
-    """FastspecError -> one line on stderr and exit code 1 (no traceback)."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except FastspecError as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(1)
-        except KeyboardInterrupt:
-            click.echo("interrupted (the last checkpoint is kept: rerun the same command to resume)",
-                       err=True)
-            sys.exit(130)
-    return wrapper
 
 
 def default_out(model: str, path: str | None) -> Path:
@@ -119,7 +102,7 @@ def _load_base(model: str, dtype: str):
 @click.option("--resume/--no-resume", default=True, show_default=True,
               help="Continue from this --out's checkpoint when there is one.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@_user_errors
+@user_errors(interrupted="interrupted (the last checkpoint is kept: rerun the same command to resume)")
 def train_drafter(model, out, data, max_prompts, target_tokens, block, blocks_per_seq, seqs_per_step,
                   rank, alpha, targets, lr, warmup_steps, minutes, max_steps, kl_weight, pos_decay,
                   partial_prob, small_block_prob, gen_concurrency, device, resume, seed):
