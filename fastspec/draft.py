@@ -80,7 +80,8 @@ def adapter_parameters(model: LlamaModel) -> list[nn.Parameter]:
 def save_adapter(model: LlamaModel, directory: str) -> None:
     cfg: AdapterConfig = model.adapter_config
     os.makedirs(directory, exist_ok=True)
-    save_file({k: v.float().contiguous() for k, v in adapter_state(model).items()},
+    # fp16 halves the shipped file; drafts only steer speed, verification stays exact.
+    save_file({k: v.half().contiguous() for k, v in adapter_state(model).items()},
               os.path.join(directory, ADAPTER_FILE))
     with open(os.path.join(directory, CONFIG_FILE), "w") as f:
         json.dump(asdict(cfg), f, indent=1)
@@ -100,11 +101,11 @@ def load_adapter(model: LlamaModel, directory: str) -> AdapterConfig:
     attach_adapter(model, cfg)
     with torch.no_grad():
         try:
-            model.mask_embed.copy_(sd["mask_embed"])
+            model.mask_embed.copy_(sd["mask_embed"].float())
             for i, blk in enumerate(model.layers):
                 for t, lora in blk.attn.lora.items():
-                    lora.A.copy_(sd[f"layers.{i}.{t}.A"])
-                    lora.B.copy_(sd[f"layers.{i}.{t}.B"])
+                    lora.A.copy_(sd[f"layers.{i}.{t}.A"].float())
+                    lora.B.copy_(sd[f"layers.{i}.{t}.B"].float())
         except (KeyError, RuntimeError) as e:
             raise FastspecError(f"draft adapter in {directory} does not fit this model: {e}") from None
     model.requires_grad_(False)
