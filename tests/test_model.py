@@ -1,4 +1,5 @@
 """The native decoder: explicit layouts, per-token adapter flag, precisions."""
+import pytest
 import torch
 from torch import nn
 
@@ -91,3 +92,36 @@ def test_top_k_and_top_p_keep_the_right_tokens():
     assert torch.allclose(one(1.0, 0, 0.8), torch.tensor([[0.625, 0.375, 0, 0]]), atol=1e-6)
     assert torch.allclose(one(1.0, 0, 0.81), torch.tensor([[0.5, 0.3, 0.15, 0]]) / 0.95, atol=1e-6)
     assert torch.equal(one(0.0, 0, 1.0), torch.tensor([[1.0, 0, 0, 0]]))
+
+
+@pytest.mark.parametrize("rope", [
+    None,
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+])
+def test_native_logits_match_transformers_llama_with_rope_scaling(rope):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fastspec.config import ModelConfig
+    from fastspec.model.llama import LlamaModel
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              tie_word_embeddings=False, rope_theta=10000.0)
+    if rope:
+        kw["rope_scaling"] = rope
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**kw)).eval()
+    cfg = ModelConfig.from_hf(hf.config.to_dict() | {"architectures": ["LlamaForCausalLM"]})
+    assert (cfg.rope_scaling or {}).get("rope_type") == (rope or {}).get("rope_type")
+    m = LlamaModel(cfg)
+    m.load_hf_state_dict(hf.state_dict())
+    ids = torch.randint(0, 256, (2, 150))          # past the original context for llama3/yarn
+    pos = torch.arange(150).expand(2, 150)
+    k, v = fresh_cache(cfg, 2, 150)
+    with torch.no_grad():
+        ref = hf(ids).logits
+        out = m(ids, pos, k, v, pos, cache_mask(torch.zeros(2, dtype=torch.long), causal_block(150), 150),
+                torch.arange(2))
+    assert (out - ref).abs().max() < 1e-4
