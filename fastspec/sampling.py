@@ -92,6 +92,10 @@ def sample_tokens(logits: torch.Tensor, state: SamplerState, slots: torch.Tensor
     if slots is not None:
         temp, top_k, top_p = temp[slots], top_k[slots], top_p[slots]
     logp = filtered_logprobs(logits, temp, top_k, top_p, apply_filters=state.any_filtered)
-    u = torch.rand(logp.shape, generator=state.generator, device=logp.device).clamp_(1e-20, 1.0)
-    gumbel = -torch.log(-torch.log(u))
-    return (logp + gumbel).argmax(-1)
+    return sample_from_logprobs(logp, state.generator)
+
+
+def sample_from_logprobs(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Gumbel-max: argmax(log p + G) is a draw from p (rows with one finite entry stay greedy)."""
+    u = torch.rand(logp.shape, generator=generator, device=logp.device).clamp_(1e-20, 1.0)
+    return (logp - torch.log(-torch.log(u))).argmax(-1)

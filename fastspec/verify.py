@@ -15,12 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from fastspec.sampling import SamplerState, filtered_logprobs
-
-
-def _gumbel_argmax(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    u = torch.rand(logp.shape, generator=generator, device=logp.device).clamp_(1e-20, 1.0)
-    return (logp - torch.log(-torch.log(u))).argmax(-1)
+from fastspec.sampling import SamplerState, filtered_logprobs, sample_from_logprobs
 
 
 def accept_chain(drafts: torch.Tensor, target_logits: torch.Tensor, block: torch.Tensor,
@@ -59,7 +54,7 @@ def accept_chain(drafts: torch.Tensor, target_logits: torch.Tensor, block: torch
     residual = torch.where(full_run, p_k, (p_k - q_k).clamp_min(0))
     # An all-zero residual (p == q) cannot be sampled from; p itself is the right law then.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_k)
-    last = _gumbel_argmax(residual.clamp_min(1e-30).log(), sampler.generator)   # [S]
+    last = sample_from_logprobs(residual.log(), sampler.generator)   # zero mass -> -inf: never drawn   # [S]
     emitted = drafts.clone()
     emitted.scatter_(1, accepted[:, None], last[:, None])
     return emitted, accepted + 1, accepted

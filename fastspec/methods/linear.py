@@ -19,7 +19,7 @@ import torch
 from fastspec.config import FastspecError
 from fastspec.layout import causal_block
 from fastspec.methods.base import Method, RoundOutput
-from fastspec.sampling import filtered_logprobs, sample_tokens
+from fastspec.sampling import filtered_logprobs, sample_from_logprobs
 from fastspec.verify import accept_chain
 
 BLOCK_SIZES = (4, 8, 16, 32)
@@ -61,10 +61,13 @@ class LinearSS(Method):
         adapter_on = torch.arange(n, device=pending.device)[None, :].expand(S, n) > 0
         logits = engine.forward(ids, draft_block_mask(blocks, n), adapter_on=adapter_on, layout="draft")
         s = engine.sampler
-        logp = filtered_logprobs(logits, s.temperature[:S], s.top_k[:S], s.top_p[:S], s.any_filtered)
-        top2 = logits.float().softmax(-1).topk(2, dim=-1).values
+        probs = logits.float().softmax(-1)
+        top2 = probs.topk(2, dim=-1).values
         self.last_confidence, self.last_margin = top2[..., 0], top2[..., 0] - top2[..., 1]
-        return sample_tokens(logits, s), logp
+        if not s.any_sampled:                      # greedy: q is never needed
+            return logits.argmax(-1), None
+        logp = filtered_logprobs(logits, s.temperature[:S], s.top_k[:S], s.top_p[:S], s.any_filtered)
+        return sample_from_logprobs(logp, s.generator), logp
 
     def round(self, engine, pending, blocks) -> RoundOutput:
         n = engine.round_width
@@ -72,5 +75,5 @@ class LinearSS(Method):
         verify_ids = torch.cat([pending[:, None], drafts[:, : n - 1]], dim=1)
         target_logits = engine.forward(verify_ids, causal_block(n, pending.device), layout="chain")
         emitted, n_emitted, accepted = accept_chain(drafts, target_logits, blocks, engine.sampler,
-                                                    draft_logp if engine.sampler.any_sampled else None)
+                                                    draft_logp)
         return RoundOutput(emitted, n_emitted, accepted, forwards=2)
