@@ -33,6 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fastspec.config import FastspecError
+from fastspec.evals.suites import display_name
 
 REFERENCE = "ar"
 RUN_KEYS = ("method", "concurrency", "tokens_per_s")
@@ -174,7 +175,7 @@ def _per_bench_table(m, c, title, caption, cell) -> Table:
     t = Table(title=title, caption=caption)
     t.add_column("method")
     for b in m["benches"] + ["avg"]:
-        t.add_column(b, justify="right")
+        t.add_column(display_name(b), justify="right")      # lcb* marks the LiveCodeBench stand-in
     for meth in m["methods"]:
         if lookup(m, "macro", method=meth, concurrency=c) is None:
             continue
@@ -300,7 +301,7 @@ def _plot_tau(fig, m) -> bool:
     if not series:
         return False
     ax = fig.add_subplot()
-    _grouped_bars(ax, m["benches"] + ["avg"], series)
+    _grouped_bars(ax, [display_name(b) for b in m["benches"]] + ["avg"], series)
     ax.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")     # AR commits one per round
     ax.set(title=f"τ per benchmark (C={c})", xlabel="benchmark", ylabel="τ (tokens per round)")
     ax.legend()
