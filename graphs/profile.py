@@ -5,7 +5,7 @@
     Profile.load(path).cost_ms(batch=4, block=8, layout="chain", ctx=256)
 
 One point is one forward of `block` new tokens in each of `batch` rows after `ctx` committed tokens
-(the attention spans ctx + block cache columns), through `compile_forward(model, backend)`:
+(the attention spans ctx + block cache columns), through the engine's StepRunner (`runner_forward`):
   chain  causal among the new tokens, adapter off (a verify / AR forward);
   draft  block-bidirectional (draft_block_mask: the seed causal, masks see the whole block),
          adapter on for every token but the seed (a LinearSS draft forward).
@@ -260,6 +260,21 @@ def forward_inputs(cfg: ModelConfig, batch: int, block: int, layout: str, ctx: i
     return ids, cols, k, v, cols, mask, slots, adapter_on
 
 
+def runner_forward(model, backend: str) -> Callable:
+    """Forwards through the engine's own StepRunner, one key per (batch, block, layout), so the
+    profile times exactly what the engine runs. `inductor` = plain inductor, no packed kernel."""
+    from fastspec.graphs.keys import GraphKey
+    from fastspec.graphs.runner import StepRunner
+    runner = StepRunner("eager" if backend == "eager" else "auto", model=model,
+                        compiler="inductor" if backend == "inductor" else None)
+
+    def fwd(ids, pos, k, v, cols, mask, slots, adapter_on):
+        key = GraphKey(ids.shape[0], ids.shape[1], "chain" if adapter_on is None else "draft")
+        return runner.run(key, model.forward, ids, pos, k, v, cols, mask, slots, adapter_on,
+                          static=(2, 3))
+    return fwd
+
+
 def time_forward(fwd: Callable, inputs: tuple, device: torch.device, reps: int) -> tuple[float, float, float]:
     """(first-call seconds, median ms, min ms) of `reps` further calls after one warm-up call."""
     with torch.no_grad():
@@ -303,7 +318,6 @@ def run_profile(loaded, batches: Iterable[int] = (1, 4), blocks: Iterable[int] =
     checkpoint: save the profile measured so far to this path after every point (an interrupted
     run keeps its points). `ms` is the median of `reps` timed calls, `ms_min` the fastest.
     """
-    from fastspec.graphs.compile import compile_forward
     batches, blocks, layouts, contexts = (sorted(set(x)) for x in (batches, blocks, layouts, contexts))
     if backend not in BACKENDS:
         raise FastspecError(f"unknown backend {backend!r} (choose {', '.join(BACKENDS)})")
@@ -329,7 +343,7 @@ def run_profile(loaded, batches: Iterable[int] = (1, 4), blocks: Iterable[int] =
     peak = measure_peak_flops(device, n=gemm_n)
     bw = measure_bandwidth(device, mib=bandwidth_mib)
     meta["microbench"] = {"gemm_n": gemm_n, "bandwidth_mib": bandwidth_mib}
-    fwd = compile_forward(model, backend)
+    fwd = runner_forward(model, backend)
     bpp = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
     points, shapes = [], []
 

@@ -14,6 +14,15 @@ def fresh_cache(cfg, batch, ctx, dtype=torch.float32):
     return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
 
 
+def prefill(m, ids, dtype=torch.float32, adapter_on=None):
+    """Logits of a causal forward of `ids` [B, N] into a fresh cache."""
+    B, N = ids.shape
+    pos = torch.arange(N).expand(B, N)
+    k, v = fresh_cache(m.cfg, B, N, dtype)
+    mask = cache_mask(torch.zeros(B, dtype=torch.long), causal_block(N), N)
+    return m(ids, pos, k, v, pos, mask, torch.arange(B), adapter_on=adapter_on)
+
+
 def test_cache_mask_matches_hand_written_matrix():
     # Row 0: 2 committed tokens, block of 3 bidirectional; row 1: 0 committed, causal block.
     lengths = torch.tensor([2, 0])
@@ -49,10 +58,7 @@ def test_adapter_flag_switches_lora_per_token_in_one_forward():
     loaded = tiny_loaded()
     m, cfg = loaded.model, loaded.cfg
     ids = torch.randint(0, cfg.vocab_size, (1, 8))
-    pos = torch.arange(8)[None]
-    mask = cache_mask(torch.zeros(1, dtype=torch.long), causal_block(8), 8)
-    k, v = fresh_cache(cfg, 1, 8)
-    base = m(ids, pos, k, v, pos, mask, torch.arange(1))
+    base = prefill(m, ids)
     torch.manual_seed(0)
     for blk in m.layers:
         a = blk.attn
@@ -63,10 +69,10 @@ def test_adapter_flag_switches_lora_per_token_in_one_forward():
             nn.init.normal_(lora.B, std=0.5)
     # Adapter on for the last 3 tokens only: the first 5 (which never see them) equal the base.
     flag = torch.tensor([[False] * 5 + [True] * 3])
-    mixed = m(ids, pos, k, v, pos, mask, torch.arange(1), adapter_on=flag)
+    mixed = prefill(m, ids, adapter_on=flag)
     assert (mixed[:, :5] - base[:, :5]).abs().max() < 1e-5
     assert (mixed[:, 5:] - base[:, 5:]).abs().max() > 1e-2
-    off = m(ids, pos, k, v, pos, mask, torch.arange(1), adapter_on=torch.zeros_like(flag))
+    off = prefill(m, ids, adapter_on=torch.zeros_like(flag))
     assert (off - base).abs().max() < 1e-5
 
 
@@ -74,13 +80,8 @@ def test_bfloat16_forward_tracks_fp32():
     loaded = tiny_loaded(std=0.05)
     m, cfg = loaded.model, loaded.cfg
     ids = torch.randint(0, cfg.vocab_size, (1, 6))
-    pos = torch.arange(6)[None]
-    mask = cache_mask(torch.zeros(1, dtype=torch.long), causal_block(6), 6)
-    k, v = fresh_cache(cfg, 1, 6)
-    ref = m(ids, pos, k, v, pos, mask, torch.arange(1))
-    m16 = m.to(torch.bfloat16)
-    k, v = fresh_cache(cfg, 1, 6, torch.bfloat16)
-    out = m16(ids, pos, k, v, pos, mask, torch.arange(1))
+    ref = prefill(m, ids)
+    out = prefill(m.to(torch.bfloat16), ids, torch.bfloat16)
     assert out.dtype == torch.float32
     assert (out - ref).abs().max() < 0.05 * ref.abs().max()
 
@@ -118,10 +119,7 @@ def test_native_logits_match_transformers_llama_with_rope_scaling(rope):
     m = LlamaModel(cfg)
     m.load_hf_state_dict(hf.state_dict())
     ids = torch.randint(0, 256, (2, 150))          # past the original context for llama3/yarn
-    pos = torch.arange(150).expand(2, 150)
-    k, v = fresh_cache(cfg, 2, 150)
     with torch.no_grad():
         ref = hf(ids).logits
-        out = m(ids, pos, k, v, pos, cache_mask(torch.zeros(2, dtype=torch.long), causal_block(150), 150),
-                torch.arange(2))
+        out = prefill(m, ids)
     assert (out - ref).abs().max() < 1e-4
