@@ -5,7 +5,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Ministral3ForCausalLM")
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+               "Qwen2ForCausalLM": "qwen2", "Ministral3ForCausalLM": "ministral3"}
 
 
 class FastspecError(Exception):
@@ -41,6 +44,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "LlamaForCausalLM"
+    # Llama-4-style attention temperature (Ministral3): queries at position p are scaled by
+    # 1 + beta * log(1 + floor(p / length)). beta 0 = off.
+    attn_temperature_beta: float = 0.0
+    attn_temperature_length: int = 0
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -58,6 +65,11 @@ class ModelConfig:
             # transformers >= 5 writes `rope_parameters` (theta inside); older files `rope_scaling`.
             rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
             theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
+            beta = float(rope.pop("llama_4_scaling_beta", 0.0) or 0.0)
+            beta_len = int(rope.get("original_max_position_embeddings") or 0)
+            if beta and not beta_len:
+                raise FastspecError("llama_4_scaling_beta needs original_max_position_embeddings "
+                                    "in the rope parameters")
             if rope.get("rope_type", rope.get("type", "default")) == "default":
                 rope = {}
             eos = d.get("eos_token_id")
@@ -79,6 +91,8 @@ class ModelConfig:
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 architecture=arch,
+                attn_temperature_beta=beta,
+                attn_temperature_length=beta_len,
             )
         except KeyError as e:
             raise FastspecError(f"config.json is missing the field {e.args[0]!r}") from None
@@ -86,8 +100,7 @@ class ModelConfig:
     def to_hf(self) -> dict[str, Any]:
         return {
             "architectures": [self.architecture],
-            "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                           "Qwen2ForCausalLM": "qwen2"}[self.architecture],
+            "model_type": MODEL_TYPES[self.architecture],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -96,8 +109,7 @@ class ModelConfig:
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
+            **self._hf_rope(),
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_bias,
@@ -105,6 +117,15 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_ids),
             "hidden_act": "silu",
         }
+
+    def _hf_rope(self) -> dict[str, Any]:
+        if not self.attn_temperature_beta:
+            return {"rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling}
+        # transformers' Ministral3 reads everything from `rope_parameters`.
+        params = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta,
+                  "llama_4_scaling_beta": self.attn_temperature_beta,
+                  "original_max_position_embeddings": self.attn_temperature_length}
+        return {"rope_parameters": params}
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)

@@ -22,7 +22,7 @@ from fastspec.draft import has_adapter
 from fastspec.graphs.keys import GraphKey, batch_bucket
 from fastspec.graphs.runner import StepRunner
 from fastspec.kv_cache import KVCache
-from fastspec.methods import Method, get_method
+from fastspec.methods import Method, RoundOutput, get_method
 from fastspec.layout import cache_mask, causal_block
 from fastspec.sampling import SamplerState, SamplingParams, sample_tokens
 
@@ -117,10 +117,42 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
 
+def forward_inputs(lengths: torch.Tensor, n: int, block_mask: torch.Tensor, max_len: int):
+    """Write columns / positions, cache mask and slots for n new tokens per slot after `lengths`.
+
+    lengths = [5, 2], n = 3 -> columns [[5 6 7] [2 3 4]]; each row sees its committed prefix
+    plus block_mask among the new tokens."""
+    cols = lengths[:, None] + torch.arange(n, device=lengths.device)
+    return cols, cache_mask(lengths, block_mask, max_len), torch.arange(lengths.shape[0], device=lengths.device)
+
+
+class Step:
+    """What a method's round sees inside one step: the batch's view of the KV cache, the sampler
+    and the model forward. The whole round is traced as one function, so `forward` calls the
+    model directly (no runner in between) and nothing here is committed: the engine's step
+    returns the new lengths."""
+
+    def __init__(self, model, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                 sampler: SamplerState, width: int):
+        self.model, self.k, self.v, self.lengths = model, k, v, lengths
+        self.sampler, self.width = sampler, width
+        self.mask_token_id = model.mask_token_id
+
+    def forward(self, ids: torch.Tensor, block_mask: torch.Tensor,
+                adapter_on: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [S, n, V] for n new tokens per slot, written after each slot's committed length.
+        block_mask [n, n] or [S, n, n] among the new tokens; adapter_on [S, n] or None."""
+        cols, mask, slots = forward_inputs(self.lengths, ids.shape[1], block_mask, self.k.shape[3])
+        return self.model(ids, cols, self.k, self.v, cols, mask, slots, adapter_on)
+
+
 class Engine:
-    def __init__(self, loaded, backend: str = "auto", max_context: int | None = None):
+    def __init__(self, loaded, backend: str = "auto", max_context: int | None = None,
+                 compiler: str | None = None):
         """loaded: a `fastspec.model.loader.LoadedModel`.
-        backend: auto (CUDA graphs on GPU, torch.compile on CPU) | cuda-graph | compile | eager."""
+        backend: auto (CUDA graphs on GPU, torch.compile on CPU) | cuda-graph | compile | eager.
+        compiler: the torch.compile backend under compile/cuda-graph (default: fastspec's; tests
+        use "aot_eager" to trace the same steps without inductor's build time)."""
         self.loaded = loaded
         self.model = loaded.model
         self.cfg = loaded.cfg
@@ -136,13 +168,15 @@ class Engine:
         self.eos_ids = eos
         self.cache: KVCache | None = None
         # One compiled step (or captured graph) per GraphKey(batch, block, layout).
-        self.runner = StepRunner(backend, model=self.model)
+        self.runner = StepRunner(backend, model=self.model, compiler=compiler)
         self.warmup_s = 0.0
         self._warm: set = set()
         self.last_stats = self.stats = RunStats()
         self.sampler: SamplerState | None = None
         self.round_width = 1
         self.name = getattr(loaded, "name", "this model")
+        self._methods: dict[tuple, Method] = {}
+        self._round_fns: dict[tuple, Callable] = {}
 
     @property
     def mask_token_id(self) -> int | None:
@@ -182,7 +216,8 @@ class Engine:
             self.cache = KVCache(self.cfg, num_slots, max_len, self.dtype, self.device)
         method = method or get_method("ar")
         # Shapes the step depends on: warm each combination once, before any timing starts.
-        key = (num_slots, self.cache.max_len, method.name, method.max_block())
+        mode = self.sampler.mode if self.sampler is not None else "greedy"
+        key = (num_slots, self.cache.max_len, method.name, method.max_block(), mode)
         self.warmup_s = 0.0 if key in self._warm else self.warm_up(method)
         self._warm.add(key)
 
@@ -190,12 +225,17 @@ class Engine:
         """Run one round on dummy slots so compilation happens before timing starts."""
         t0 = time.perf_counter()
         S = self.cache.num_slots
+        run_sampler = self.sampler
         self.sampler = SamplerState(S, self.device)
+        if run_sampler is not None:           # the same code path (GraphKey.sampling) as the run
+            self.sampler.any_sampled, self.sampler.any_filtered = run_sampler.any_sampled, run_sampler.any_filtered
         self.stats = RunStats()
         self.cache.lengths.fill_(1)
         blocks = torch.full((S,), method.max_block(), dtype=torch.long, device=self.device)
-        method.round(self, torch.zeros(S, dtype=torch.long, device=self.device), blocks)
+        zeros = torch.zeros(S, dtype=torch.long, device=self.device)
+        self.run_round(method, zeros, blocks, zeros)
         self.cache.lengths.zero_()
+        self.sampler = run_sampler
         return time.perf_counter() - t0
 
     @torch.no_grad()
@@ -232,15 +272,61 @@ class Engine:
         Returns logits [S, n, V]. Nothing is committed.
         """
         c = self.cache
-        lengths = c.lengths
-        cols = lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
-        mask = cache_mask(lengths, block_mask, c.max_len)
-        slots = torch.arange(c.num_slots, device=self.device)
+        cols, mask, slots = forward_inputs(c.lengths, ids.shape[1], block_mask, c.max_len)
         self.stats.forwards += 1
         key = GraphKey(c.num_slots, ids.shape[1], layout)
         # The K/V caches (inputs 2, 3) are written in place: the runner uses them by address.
         return self.runner.run(key, self.model_forward, ids, cols, c.k, c.v, cols, mask, slots,
                                adapter_on, static=(2, 3))[0]
+
+    # --- one round: the step every speculative method runs ----------------------------------
+    def method(self, name: str | Method, block: int | None = None) -> Method:
+        """The method instance for (name, block), kept so its compiled steps are reused."""
+        if isinstance(name, Method):
+            return name
+        key = (name, block)
+        if key not in self._methods:
+            self._methods[key] = get_method(name, **({} if block is None else {"block": block}))
+        return self._methods[key]
+
+    def _round_fn(self, meth: Method, mode: str) -> Callable:
+        """The step of GraphKey(batch, width, meth.layout, mode): draft / verify forwards,
+        acceptance and the new committed lengths, as one function of tensors."""
+        key = (id(meth), mode)
+        fn = self._round_fns.get(key)
+        if fn is None:
+            model, width = self.model, meth.max_block()
+
+            def round_step(pending, blocks, active, lengths, k, v, *sampler_tensors):
+                step = Step(model, k, v, lengths, SamplerState.view(sampler_tensors, mode), width)
+                out = meth.round(step, pending, blocks)
+                # Commit by length: the seed and the accepted drafts (whose K/V the verify
+                # forward wrote) join the prefix; the last emitted token seeds the next round.
+                new_lengths = lengths + out.n_emitted * active
+                next_pending = out.emitted.gather(1, (out.n_emitted - 1)[:, None])[:, 0]
+                extra = tuple(t for t in (out.draft_prob, out.draft_confidence, out.draft_margin)
+                              if t is not None)
+                return (out.emitted, out.n_emitted, out.n_drafted, new_lengths, next_pending) + extra
+
+            fn = self._round_fns[key] = torch.no_grad()(round_step)
+        return fn
+
+    def run_round(self, meth: Method, pending: torch.Tensor, blocks: torch.Tensor,
+                  active: torch.Tensor) -> tuple[RoundOutput, torch.Tensor]:
+        """One round for every slot through the runner (one compiled step / CUDA graph per key).
+        Commits the new lengths; returns the round's output and the next seeds."""
+        c, s = self.cache, self.sampler
+        key = GraphKey(c.num_slots, meth.max_block(), meth.layout, s.mode)
+        # K/V (inputs 4, 5) are written in place: the runner uses them by address.
+        outs = self.runner.run(key, self._round_fn(meth, s.mode), pending, blocks, active,
+                               c.lengths, c.k, c.v, *s.tensors(), static=(4, 5))
+        emitted, n_emitted, n_drafted, lengths, next_pending, *draft_stats = outs
+        c.lengths.copy_(lengths)
+        s.counter += active                        # fresh random numbers next round
+        self.stats.forwards += meth.forwards
+        out = RoundOutput(emitted, n_emitted, n_drafted, *draft_stats)
+        self.last_round = out
+        return out, next_pending
 
     # --- the loop ---------------------------------------------------------------------------
     def generate(self, prompts: Seq[str | list[int]],
@@ -253,7 +339,7 @@ class Engine:
         new_token_ids, n_drafted)` streams tokens as rounds commit them; the first `n_drafted`
         of them were accepted drafts.
         """
-        meth = get_method(method, **({} if block is None else {"block": block}))
+        meth = self.method(method, block)
         if meth.needs_adapter and not has_adapter(self.model):
             raise FastspecError(
                 f"method {meth.name!r} needs a draft adapter and {self.name} has none: train one with "
@@ -269,12 +355,15 @@ class Engine:
             return []
         num_slots = batch_bucket(min(concurrency, len(seqs)))
         self.round_width = meth.max_block()
+        self.sampler = SamplerState(num_slots, self.device)
+        for sp in per_request:                 # the run's sampling code path, known up front
+            self.sampler.any_sampled |= not sp.greedy
+            self.sampler.any_filtered |= (not sp.greedy) and (sp.top_k > 0 or sp.top_p < 1)
         # Headroom: a round writes up to round_width speculative K/V after the committed length.
         self.prepare(num_slots, max(len(s.prompt_ids) + s.params.max_new_tokens for s in seqs)
                      + self.round_width, meth)
         c = self.cache
         c.lengths.zero_()
-        self.sampler = SamplerState(num_slots, self.device, per_request[0].seed)
         stats = self.stats = RunStats(requests=len(seqs))
         sched = Scheduler(seqs, num_slots)
         pending = torch.zeros(num_slots, dtype=torch.long, device=self.device)   # seeds
@@ -307,9 +396,10 @@ class Engine:
                 t0 = time.perf_counter()
                 slots = torch.tensor([s.slot for s in admitted], device=self.device)
                 for s in admitted:
-                    self.sampler.set(s.slot, s.params)
+                    self.sampler.set(s.slot, s.params, s.index)
                     blocks[s.slot] = meth.block_for(s)
                 first = sample_tokens(self._prefill(admitted), self.sampler, slots)
+                self.sampler.counter[slots] += 1       # rounds draw fresh numbers
                 pending[slots] = first
                 active[slots] = 1
                 stats.forwards += 1
@@ -322,17 +412,18 @@ class Engine:
             if not sched.running:
                 continue
             t0 = time.perf_counter()
-            out = meth.round(self, pending, blocks)
-            c.lengths += out.n_emitted * active        # the seed and accepted drafts join the prefix
-            pending = out.emitted.gather(1, (out.n_emitted - 1)[:, None])[:, 0]   # last = next seed
+            out, pending = self.run_round(meth, pending, blocks, active)
             stats.rounds += 1
-            emitted, n_emitted, n_drafted = (out.emitted.tolist(), out.n_emitted.tolist(),
-                                             out.n_drafted.tolist())
+            # One host read per round: every row's tokens, counts and accepted drafts.
+            w = out.emitted.shape[1]
+            host = torch.cat([out.emitted, out.n_emitted[:, None], out.n_drafted[:, None]], 1).tolist()
+            emitted = [r[:w] for r in host]
+            n_emitted, n_drafted = [r[w] for r in host], [r[w + 1] for r in host]
             now = time.perf_counter()
             stats.decode_s += now - t0
             for slot, seq in list(sched.running.items()):
                 seq.rounds += 1
-                seq.forwards += out.forwards
+                seq.forwards += meth.forwards
                 seq.accept_lengths.append(n_emitted[slot])
                 commit(seq, emitted[slot][: n_emitted[slot]], n_drafted[slot], now)
         stats.wall_s = time.perf_counter() - t_start

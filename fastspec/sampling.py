@@ -1,8 +1,10 @@
 """Sampling: greedy and temperature / top-k / top-p, per request, without host syncs.
 
 Per-request parameters live in tensors so one batched call serves a mix of greedy and sampled
-requests. Sampling is Gumbel-max over the filtered log-probabilities, drawn from an explicit
-generator: reproducible for a seed, and the same `probs` feed lossless speculative sampling.
+requests. A sample is an inverse-CDF draw from the filtered probabilities with one uniform from a
+counter-based random stream per request (`uniform`): reproducible for a seed whatever the batch
+and the slot, free of generator state (so it compiles and replays in a captured step), and the
+same probabilities feed lossless speculative sampling.
 """
 from __future__ import annotations
 
@@ -37,23 +39,95 @@ class SamplingParams:
         return self.temperature == 0
 
 
+# Streams: independent random draws a round may need, so no two uses share numbers.
+STREAM_TOKEN, STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESIDUAL = 0, 1, 2, 3
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (bijective, good avalanche) on int64 tensors holding values < 2^32.
+    Products stay below 2^63, so there is no signed overflow on any backend."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    return (x >> 16) ^ x
+
+
+def request_seed(seed: int, index: int) -> int:
+    """The random stream of request `index` under SamplingParams.seed: one per request, so a
+    request's samples do not depend on which slot it lands in or what runs beside it."""
+    x = torch.tensor([seed & _M32, index & _M32])
+    return int(_mix32((_mix32(x[:1]) + x[1:]) & _M32))
+
+
+def uniform(seed: torch.Tensor, counter: torch.Tensor, stream: int, shape: tuple[int, ...] = ()) -> torch.Tensor:
+    """Counter-based uniforms in (0, 1): [S, *shape] from per-row (seed, counter) and a stream id.
+
+    Stateless (a pure function of its inputs, like Philox in JAX): no generator object, so a
+    compiled or captured step replays it without host state, and a row's draws depend only on
+    its own request and round.
+    """
+    n = 1
+    for d in shape:
+        n *= d
+    h = _mix32((_mix32(seed & _M32) + counter) & _M32)
+    h = _mix32((h + 0x9E3779B9 * (stream + 1)) & _M32)
+    idx = torch.arange(n, device=seed.device)
+    x = _mix32(_mix32((h[:, None] + idx[None, :]) & _M32) ^ h[:, None])
+    u = ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))              # 24 random bits, never 0 or 1
+    return u.view(seed.shape[0], *shape)
+
+
 class SamplerState:
-    """Per-slot sampling parameters as tensors, plus the generator."""
+    """Per-slot sampling parameters and random streams as tensors.
+
+    seed [S]: each slot's request stream (`request_seed`); counter [S]: the request's round, so
+    every round draws fresh numbers. Host flags say which code a step needs (its `mode`)."""
 
     def __init__(self, num_slots: int, device="cpu", seed: int = 0):
         self.temperature = torch.zeros(num_slots, device=device)
         self.top_k = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.top_p = torch.ones(num_slots, device=device)
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        # Until `set` assigns requests, slot i draws from request i's stream.
+        self.seed = _mix32((_mix32(torch.tensor(seed & _M32)) + torch.arange(num_slots)) & _M32).to(device)
+        self.counter = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.any_sampled = False      # host-side: skip all filtering when every request is greedy
         self.any_filtered = False
 
-    def set(self, slot: int, p: SamplingParams) -> None:
+    def set(self, slot: int, p: SamplingParams, index: int = 0) -> None:
+        """Slot `slot` now serves request `index` with params `p`."""
         self.temperature[slot] = p.temperature
         self.top_k[slot] = p.top_k
         self.top_p[slot] = p.top_p
+        self.seed[slot] = request_seed(p.seed, index)
+        self.counter[slot] = 0
         self.any_sampled |= not p.greedy
         self.any_filtered |= (not p.greedy) and (p.top_k > 0 or p.top_p < 1)
+
+    @property
+    def mode(self) -> str:
+        """What the step must compute: greedy (argmax only), sample, or sample with filters."""
+        return "filtered" if self.any_filtered else "sample" if self.any_sampled else "greedy"
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.temperature, self.top_k, self.top_p, self.seed, self.counter
+
+    @classmethod
+    def view(cls, tensors: tuple[torch.Tensor, ...], mode: str) -> "SamplerState":
+        """A SamplerState over given tensors (inside a compiled step: its inputs)."""
+        s = cls.__new__(cls)
+        s.temperature, s.top_k, s.top_p, s.seed, s.counter = tensors
+        s.any_sampled, s.any_filtered = mode != "greedy", mode == "filtered"
+        return s
+
+    def uniform(self, stream: int, shape: tuple[int, ...] = (), rows: int | None = None,
+                slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Uniforms [rows, *shape] for the first `rows` slots (or the given slots)."""
+        seed, counter = self.seed, self.counter
+        if slots is not None:
+            seed, counter = seed[slots], counter[slots]
+        elif rows is not None:
+            seed, counter = seed[:rows], counter[:rows]
+        return uniform(seed, counter, stream, shape)
 
 
 def filtered_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -84,18 +158,35 @@ def filtered_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
     return torch.where(greedy, onehot, logp)
 
 
-def sample_tokens(logits: torch.Tensor, state: SamplerState, slots: torch.Tensor | None = None) -> torch.Tensor:
-    """One token per row of logits [B, ..., V]; greedy rows take the argmax (ties: lowest id)."""
+def sample_tokens(logits: torch.Tensor, state: SamplerState, slots: torch.Tensor | None = None,
+                  stream: int = STREAM_TOKEN) -> torch.Tensor:
+    """One token per row of logits [B, V]; greedy rows take the argmax (ties: lowest id)."""
     if not state.any_sampled:
         return logits.argmax(-1)
+    B = logits.shape[0]
     temp, top_k, top_p = state.temperature, state.top_k, state.top_p
     if slots is not None:
         temp, top_k, top_p = temp[slots], top_k[slots], top_p[slots]
+    else:
+        temp, top_k, top_p = temp[:B], top_k[:B], top_p[:B]
     logp = filtered_logprobs(logits, temp, top_k, top_p, apply_filters=state.any_filtered)
-    return sample_from_logprobs(logp, state.generator)
+    return sample_from_logprobs(logp, state.uniform(stream, tuple(logits.shape[1:-1]), rows=B, slots=slots))
 
 
-def sample_from_logprobs(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Gumbel-max: argmax(log p + G) is a draw from p (rows with one finite entry stay greedy)."""
-    u = torch.rand(logp.shape, generator=generator, device=logp.device).clamp_(1e-20, 1.0)
-    return (logp - torch.log(-torch.log(u))).argmax(-1)
+def sample_categorical(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw from unnormalized weights [..., V] >= 0 with one uniform per row u [...].
+
+    One uniform per distribution (Gumbel-max needs V); a zero-weight token is never drawn: the
+    first index whose running sum exceeds u * total always has weight > 0, and the clamp keeps
+    float rounding at the very top from stepping past the last positive entry.
+    """
+    cdf = weights.float().cumsum(-1)
+    x = (u * cdf[..., -1])[..., None]
+    idx = torch.searchsorted(cdf, x, right=True)[..., 0]
+    last_positive = (weights > 0).long().cumsum(-1).argmax(-1)     # first index of the final count
+    return torch.minimum(idx, last_positive)
+
+
+def sample_from_logprobs(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """A draw from exp(logp) per row (rows with one finite entry stay greedy)."""
+    return sample_categorical(logp.exp(), u)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from fastspec.sampling import SamplerState, filtered_logprobs, sample_from_logprobs
+from fastspec.sampling import (STREAM_ACCEPT, STREAM_RESIDUAL, SamplerState, filtered_logprobs,
+                               sample_categorical)
 
 
 def accept_chain(drafts: torch.Tensor, target_logits: torch.Tensor, block: torch.Tensor,
@@ -44,7 +45,7 @@ def accept_chain(drafts: torch.Tensor, target_logits: torch.Tensor, block: torch
     q = draft_logp.exp()
     p_d = p.gather(-1, drafts[..., None])[..., 0]
     q_d = q.gather(-1, drafts[..., None])[..., 0].clamp_min(1e-20)
-    u = torch.rand(p_d.shape, generator=sampler.generator, device=p_d.device)
+    u = sampler.uniform(STREAM_ACCEPT, (n,), rows=S)
     ok = (u < (p_d / q_d).clamp(max=1.0)) & judged
     accepted = ok.long().cumprod(-1).sum(-1)                       # [S]
     # At the stop position k: residual max(p - q, 0) after a rejection, plain p after a full run.
@@ -54,7 +55,7 @@ def accept_chain(drafts: torch.Tensor, target_logits: torch.Tensor, block: torch
     residual = torch.where(full_run, p_k, (p_k - q_k).clamp_min(0))
     # An all-zero residual (p == q) cannot be sampled from; p itself is the right law then.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_k)
-    last = sample_from_logprobs(residual.log(), sampler.generator)   # zero mass -> -inf: never drawn   # [S]
+    last = sample_categorical(residual, sampler.uniform(STREAM_RESIDUAL, rows=S))   # [S]
     emitted = drafts.clone()
     emitted.scatter_(1, accepted[:, None], last[:, None])
     return emitted, accepted + 1, accepted

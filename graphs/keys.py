@@ -18,10 +18,12 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 class GraphKey:
     batch: int          # padded batch (a bucket)
     block: int          # new tokens per row in the step's widest forward
-    layout: str         # "ar", "chain", "overlap(corr=2,cont=1)", "tree(0,0,1,1)", ...
+    layout: str         # "ar", "chain", "linear", "overlap(corr=2,cont=1)", "tree(0,0,1,1)", ...
+    sampling: str = "greedy"    # greedy | sample | filtered: the code a round's sampler needs
 
     def __str__(self) -> str:
-        return f"B{self.batch}×{self.block} {self.layout}"
+        tail = "" if self.sampling == "greedy" else f" {self.sampling}"
+        return f"B{self.batch}×{self.block} {self.layout}{tail}"
 
 
 def batch_bucket(n: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> int:

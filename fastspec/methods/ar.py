@@ -10,12 +10,13 @@ from fastspec.sampling import sample_tokens
 
 class AR(Method):
     name = "ar"
+    layout = "ar"
 
     def __init__(self, block: int = 1):
         super().__init__(block=1)
 
-    def round(self, engine, pending, blocks) -> RoundOutput:
-        logits = engine.forward(pending[:, None], causal_block(1, pending.device), layout="ar")
-        token = sample_tokens(logits[:, 0], engine.sampler)
+    def round(self, step, pending, blocks) -> RoundOutput:
+        logits = step.forward(pending[:, None], causal_block(1, pending.device))
+        token = sample_tokens(logits[:, 0], step.sampler)
         one = torch.ones_like(pending)
-        return RoundOutput(token[:, None], one, torch.zeros_like(pending), forwards=1)
+        return RoundOutput(token[:, None], one, torch.zeros_like(pending))

@@ -19,7 +19,7 @@ import torch
 from fastspec.config import FastspecError
 from fastspec.layout import causal_block
 from fastspec.methods.base import Method, RoundOutput
-from fastspec.sampling import filtered_logprobs, sample_from_logprobs
+from fastspec.sampling import STREAM_DRAFT, filtered_logprobs, sample_from_logprobs
 from fastspec.verify import accept_chain
 
 BLOCK_SIZES = (4, 8, 16, 32)
@@ -42,38 +42,46 @@ def draft_block_mask(blocks: torch.Tensor, n: int) -> torch.Tensor:
     return mask | eye[None]                                            # the seed sees itself
 
 
+def draft_stats(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per position: the drafter's probability of its draft, top-1 probability, top-1 − top-2."""
+    logits = logits.float()
+    lse = logits.logsumexp(-1)
+    top2 = logits.topk(2, dim=-1).values
+    p1, p2 = (top2[..., 0] - lse).exp(), (top2[..., 1] - lse).exp()
+    p_draft = (logits.gather(-1, drafts[..., None])[..., 0] - lse).exp()
+    return p_draft, p1, p1 - p2
+
+
 class LinearSS(Method):
     name = "linear"
     needs_adapter = True
+    layout = "linear"               # a draft forward then a chain verify forward, one step
+    forwards = 2
 
     def __init__(self, block: int = 16):
         if block not in BLOCK_SIZES:
             raise FastspecError(f"--block must be one of {BLOCK_SIZES}, got {block}")
         super().__init__(block)
-        self.last_confidence: torch.Tensor | None = None      # [S, n] top-1 draft probability
-        self.last_margin: torch.Tensor | None = None          # [S, n] top-1 minus top-2
 
-    def draft(self, engine, pending: torch.Tensor, blocks: torch.Tensor, n: int):
-        """Draft forward: returns drafts [S, n] and the drafter's filtered log-probs [S, n, V]."""
-        S = pending.shape[0]
-        ids = torch.full((S, n), engine.mask_token_id, dtype=torch.long, device=pending.device)
+    def draft(self, step, pending: torch.Tensor, blocks: torch.Tensor):
+        """Draft forward: drafts [S, n], the drafter's filtered log-probs [S, n, V] (None under
+        greedy: q is never needed) and its logits."""
+        S, n = pending.shape[0], step.width
+        ids = torch.full((S, n), step.mask_token_id, dtype=torch.long, device=pending.device)
         ids[:, 0] = pending
         adapter_on = torch.arange(n, device=pending.device)[None, :].expand(S, n) > 0
-        logits = engine.forward(ids, draft_block_mask(blocks, n), adapter_on=adapter_on, layout="draft")
-        s = engine.sampler
-        probs = logits.float().softmax(-1)
-        top2 = probs.topk(2, dim=-1).values
-        self.last_confidence, self.last_margin = top2[..., 0], top2[..., 0] - top2[..., 1]
-        if not s.any_sampled:                      # greedy: q is never needed
-            return logits.argmax(-1), None
+        logits = step.forward(ids, draft_block_mask(blocks, n), adapter_on=adapter_on)
+        s = step.sampler
+        if not s.any_sampled:
+            return logits.argmax(-1), None, logits
         logp = filtered_logprobs(logits, s.temperature[:S], s.top_k[:S], s.top_p[:S], s.any_filtered)
-        return sample_from_logprobs(logp, s.generator), logp
+        return sample_from_logprobs(logp, s.uniform(STREAM_DRAFT, (n,), rows=S)), logp, logits
 
-    def round(self, engine, pending, blocks) -> RoundOutput:
-        n = engine.round_width
-        drafts, draft_logp = self.draft(engine, pending, blocks, n)
+    def round(self, step, pending, blocks) -> RoundOutput:
+        n = step.width
+        drafts, draft_logp, draft_logits = self.draft(step, pending, blocks)
         verify_ids = torch.cat([pending[:, None], drafts[:, : n - 1]], dim=1)
-        target_logits = engine.forward(verify_ids, causal_block(n, pending.device), layout="chain")
-        emitted, n_emitted, accepted = accept_chain(drafts, target_logits, blocks, engine.sampler,
+        target_logits = step.forward(verify_ids, causal_block(n, pending.device))
+        emitted, n_emitted, accepted = accept_chain(drafts, target_logits, blocks, step.sampler,
                                                     draft_logp)
-        return RoundOutput(emitted, n_emitted, accepted, forwards=2)
+        return RoundOutput(emitted, n_emitted, accepted, *draft_stats(draft_logits, drafts))

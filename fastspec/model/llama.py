@@ -60,7 +60,7 @@ class Attention(nn.Module):
             return None
         return self.lora[name](x, gate)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, write_cols, mask, slots, adapter_gate):
+    def forward(self, x, cos, sin, k_cache, v_cache, write_cols, mask, slots, adapter_gate, q_scale=None):
         B, N, _ = x.shape
         qkv = F.linear(x, self.wqkv, self.bqkv)
         q, k, v = qkv.split(self.split, dim=-1)
@@ -68,6 +68,8 @@ class Attention(nn.Module):
             q, k, v = [t if (d := self._lora(n, x, adapter_gate)) is None else t + d
                        for n, t in zip("qkv", (q, k, v))]
         q = apply_rope(q.view(B, N, self.n_heads, self.head_dim), cos, sin)
+        if q_scale is not None:                       # [B, N, 1, 1]
+            q = q * q_scale
         k = apply_rope(k.view(B, N, self.n_kv, self.head_dim), cos, sin)
         v = v.view(B, N, self.n_kv, self.head_dim)
 
@@ -109,9 +111,9 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, write_cols, mask, slots, adapter_gate):
+    def forward(self, x, cos, sin, k_cache, v_cache, write_cols, mask, slots, adapter_gate, q_scale=None):
         x = x + self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, write_cols, mask, slots,
-                          adapter_gate)
+                          adapter_gate, q_scale)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -124,9 +126,16 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size))
-        cos, sin = rope_tables(cfg, max_positions or cfg.max_position_embeddings)
+        n_pos = max_positions or cfg.max_position_embeddings
+        cos, sin = rope_tables(cfg, n_pos)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # Llama-4-style query temperature per position (Ministral3); None when the config has none.
+        scale = None
+        if cfg.attn_temperature_beta:
+            pos = torch.arange(n_pos, dtype=torch.float32)
+            scale = 1 + cfg.attn_temperature_beta * torch.log1p(torch.floor(pos / cfg.attn_temperature_length))
+        self.register_buffer("q_scale", scale, persistent=False)
         # Draft adapter pieces (attached by fastspec's self-speculation code): a learned MASK
         # embedding replaces the token embedding wherever `mask_token` appears.
         self.mask_embed: nn.Parameter | None = None
@@ -157,9 +166,10 @@ class LlamaModel(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        q_scale = None if self.q_scale is None else self.q_scale[positions][..., None, None].to(x.dtype)
         gate = None if adapter_on is None else adapter_on[..., None].to(x.dtype)
         for block in self.layers:
-            x = block(x, cos, sin, k_cache, v_cache, write_cols, mask, slots, gate)
+            x = block(x, cos, sin, k_cache, v_cache, write_cols, mask, slots, gate, q_scale)
         if logits_index is not None:
             x = torch.gather(x, 1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
         return F.linear(self.norm(x), self.head_weight).float()

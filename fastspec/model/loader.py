@@ -161,7 +161,9 @@ def _read_hf_dir(d: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         hf = json.loads((d / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise FastspecError(f"cannot read {d / 'config.json'}: {_first_line(e)}") from None
-    cfg = ModelConfig.from_hf(hf)
+    from fastspec.model import nld
+    is_nld = nld.is_nld_config(hf)
+    cfg = nld.backbone_config(hf)[0] if is_nld else ModelConfig.from_hf(hf)
     index = d / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -180,7 +182,7 @@ def _read_hf_dir(d: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         if not (d / f).is_file():
             raise FastspecError(f"checkpoint shard {d / f} is missing")
         sd.update(_read_safetensors(d / f))
-    return cfg, sd
+    return cfg, (nld.backbone_state_dict(sd) if is_nld else sd)
 
 
 def _hf_tokenizer(d: Path):
@@ -417,6 +419,15 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fl
     a directory loads that adapter.
     """
     loaded = _load_base(name_or_path, dtype, device, max_positions)
+    nld_info = loaded.cfg.extra.get("nld")
+    if nld_info is not None and adapter == "auto" and loaded.path:
+        from fastspec.model.nld import LORA_DIR, load_linear_spec_lora
+        lora_dir = Path(loaded.path) / LORA_DIR
+        if lora_dir.is_dir():                 # NLD ships its draft LoRA beside the weights
+            load_linear_spec_lora(loaded.model, lora_dir, nld_info["mask_token_id"], nld_info["block_size"])
+            loaded.model.to(_as_dtype(dtype))
+            loaded.adapter_path = str(lora_dir)
+            return loaded
     where = find_adapter(loaded.name, Path(loaded.path) if loaded.path else None) \
         if adapter == "auto" else (Path(adapter) if adapter else None)
     if where is not None:
