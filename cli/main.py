@@ -13,17 +13,26 @@ from fastspec.config import FastspecError, parse_int_list
 from fastspec.cli.common import console, err_console, user_errors  # noqa: E402
 
 
-def model_options(fn):
+def model_options(fn=None, *, many_backends: bool = False):
+    """--model / --dtype / --backend. many_backends: --backend takes a comma list (bench compares)."""
+    if fn is None:
+        return lambda f: model_options(f, many_backends=many_backends)
     fn = click.option("--model", "-m", default="smollm2-135m", show_default=True,
                       help="Checkpoint: a built-in name (smollm2-135m, tiny-random), an HF directory "
                            "(config.json + *.safetensors) or a .gguf file.")(fn)
     fn = click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
                       show_default=True, help="Weight and activation precision.")(fn)
-    fn = click.option("--backend", type=click.Choice(["auto", "cuda-graph", "compile", "eager"]),
-                      default="auto", show_default=True,
-                      help="auto: CUDA graphs on a GPU, torch.compile on CPU. compile: one "
-                           "torch.compile'd static step per (batch, block, layout), fast after a "
-                           "warm-up. eager: plain PyTorch (no warm-up).")(fn)
+    help_text = ("auto: CUDA graphs on a GPU, torch.compile on CPU. compile: one torch.compile'd "
+                 "static step per (batch, block, layout), fast after a warm-up. eager: plain "
+                 "PyTorch (no warm-up).")
+    if many_backends:
+        fn = click.option("--backend", default="auto", show_default=True,
+                          help=help_text + " A comma list (compile,eager) runs every method on each "
+                                           "backend; rows of the later ones are labelled (backend) "
+                                           "and their speedup is over the first backend's AR.")(fn)
+    else:
+        fn = click.option("--backend", type=click.Choice(["auto", "cuda-graph", "compile", "eager"]),
+                          default="auto", show_default=True, help=help_text)(fn)
     return fn
 
 
@@ -125,7 +134,7 @@ def chat(model, dtype, backend, max_new_tokens, temperature, top_p, top_k, seed,
 
 
 @cli.command()
-@model_options
+@model_options(many_backends=True)
 @click.option("--suite", default=None, help="Benchmark suite: math (GSM8K, MATH-500, AIME25), code "
               "(HumanEval, MBPP, LiveCodeBench*), qa (GPQA, IFEval), all. Default: math.")
 @click.option("--bench", "benches", default=None, help="Comma-separated benchmarks, e.g. gsm8k,math500.")
@@ -165,6 +174,7 @@ def bench(model, dtype, backend, suite, benches, prompts_file, limit, methods, b
       fastspec bench --suite math --limit 5
       fastspec bench --suite all --method ar,linear --limit 3 --concurrency 1,4 --json r.json
       fastspec bench --plot r.json
+      fastspec bench --bench gsm8k --backend compile,eager      compiled vs eager steps
     """
     if plot_from:
         from fastspec.evals.report import write_plots

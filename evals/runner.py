@@ -130,6 +130,12 @@ def run_bench(*, model, dtype, backend, max_new_tokens, temperature, top_p, top_
 
     if limit < 1:
         raise FastspecError(f"--limit must be >= 1, got {limit}")
+    from fastspec.graphs.runner import BACKENDS
+    backends = list(dict.fromkeys(b.strip() for b in str(backend).split(",") if b.strip()))
+    bad = [b for b in backends if b not in BACKENDS]
+    if not backends or bad:
+        raise FastspecError(f"unknown --backend {', '.join(bad) or repr(backend)} "
+                            f"(choose among {', '.join(BACKENDS)})")
     plan = parse_methods(methods, parse_int_list(blocks, "--block"), baseline)
     levels = parse_int_list(concurrency, "--concurrency")
     peer_names = [p.strip() for p in (peers or "").split(",") if p.strip()]
@@ -137,7 +143,10 @@ def run_bench(*, model, dtype, backend, max_new_tokens, temperature, top_p, top_
     items = load_items(suite, benches, prompts_file, limit, data_dir, max_new_tokens, console)
     params = [replace(base, max_new_tokens=it.max_new_tokens) for it in items]
 
-    engine = load_engine(model, dtype, backend)
+    engine = load_engine(model, dtype, backends[0])
+    # Later backends share the loaded weights; their rows are labelled "ar (eager)", ...
+    from fastspec.engine import Engine
+    engines = [(engine, "")] + [(Engine(engine.loaded, backend=b), f" ({b})") for b in backends[1:]]
     texts = [engine.render_chat([{"role": "user", "content": it.problem}]) if isinstance(it.problem, str)
              else engine.render_chat(build_messages(it.problem)) for it in items]
     prompt_ids = [engine.encode(t) for t in texts]
@@ -162,9 +171,11 @@ def run_bench(*, model, dtype, backend, max_new_tokens, temperature, top_p, top_
                      "tokens_per_s": stats.tokens_per_s, "tokens_per_forward": stats.tokens_per_forward})
 
     for c in levels:
-        for label, method, block in plan:
-            out, stats, warm = _run_one(engine, prompt_ids, params, label, method, block, c, console)
-            add(label, c, out, stats, warm)
+        for eng, tag in engines:
+            for label, method, block in plan:
+                out, stats, warm = _run_one(eng, prompt_ids, params, label + tag, method, block, c,
+                                            console)
+                add(label + tag, c, out, stats, warm)
     if peer_names:
         from fastspec.evals.peers import run_hf_peers
         with console.status(f"peers {', '.join(peer_names)} (transformers, batch 1) ..."):
@@ -175,6 +186,11 @@ def run_bench(*, model, dtype, backend, max_new_tokens, temperature, top_p, top_
 
     m = metrics(records, runs)
     print_report(console, m)
+    warm = sum(r["warmup_s"] for r in runs)
+    recompiles = sum(r.get("recompiles", 0) for r in runs)
+    keys = sum(len(eng.runner.keys()) for eng, _ in engines)
+    console.print(f"steps: {keys} compiled/captured keys ({', '.join(backends)}), warm-up {warm:.1f} s "
+                  f"before timing; recompilations during timed runs: {recompiles}")
     if json_out:
         os.makedirs(os.path.dirname(os.path.abspath(json_out)), exist_ok=True)
         with open(json_out, "w") as f:

@@ -84,6 +84,8 @@ class RunStats:
         return self.new_tokens / max(self.wall_s, 1e-9)
 
     request_forwards: int = 0       # summed over requests: forwards each request took part in
+    warmup_s: float = 0.0           # compiling / capturing this run's step before timing started
+    recompiles: int = 0             # compilations after the warm-up (a replay must never compile)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -232,8 +234,9 @@ class Engine:
         self.stats = RunStats()
         self.cache.lengths.fill_(1)
         blocks = torch.full((S,), method.max_block(), dtype=torch.long, device=self.device)
-        zeros = torch.zeros(S, dtype=torch.long, device=self.device)
-        self.run_round(method, zeros, blocks, zeros)
+        # Distinct tensors: dynamo guards on aliasing, and the run never aliases seeds and flags.
+        seeds = torch.zeros(S, dtype=torch.long, device=self.device)
+        self.run_round(method, seeds, blocks, torch.zeros_like(seeds))
         self.cache.lengths.zero_()
         self.sampler = run_sampler
         return time.perf_counter() - t0
@@ -364,6 +367,7 @@ class Engine:
                      + self.round_width, meth)
         c = self.cache
         c.lengths.zero_()
+        compiles_after_warmup = self.runner.total_compiles()
         stats = self.stats = RunStats(requests=len(seqs))
         sched = Scheduler(seqs, num_slots)
         pending = torch.zeros(num_slots, dtype=torch.long, device=self.device)   # seeds
@@ -427,6 +431,8 @@ class Engine:
                 seq.accept_lengths.append(n_emitted[slot])
                 commit(seq, emitted[slot][: n_emitted[slot]], n_drafted[slot], now)
         stats.wall_s = time.perf_counter() - t_start
+        stats.warmup_s = self.warmup_s
+        stats.recompiles = self.runner.total_compiles() - compiles_after_warmup
         stats.new_tokens = sum(len(s.output_ids) for s in seqs)
         stats.request_forwards = sum(s.forwards for s in seqs)
         self.last_stats = stats

@@ -39,3 +39,33 @@ def cache_mask(lengths: torch.Tensor, block_mask: torch.Tensor, ctx: int) -> tor
     in_block = (rel >= 0) & (rel < N)
     gathered = torch.gather(block_mask, 2, rel.clamp(0, N - 1)[:, None, :].expand(B, N, ctx))
     return (rel < 0)[:, None, :] | (in_block[:, None, :] & gathered)
+
+
+def tree_block(parents: tuple[int, ...], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A token tree laid out flat: ([n, n] mask, [n] depth). parents[i] is the index of token i's
+    parent within the block (-1: a root, attached to the committed prefix); parents come first.
+
+    parents = (-1, 0, 0, 1):     s                 mask   s a b c     depth
+                                / \\               s    1 0 0 0     0
+                               a   b              a    1 1 0 0     1
+                               |                  b    1 0 1 0     1
+                               c                  c    1 1 0 1     2
+
+    Each token sees itself and its ancestors; siblings never see each other. Positions are the
+    committed length plus the depth, so every path reads like a plain causal chain.
+    """
+    n = len(parents)
+    mask = torch.eye(n, dtype=torch.bool)
+    depth = [0] * n
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError(f"parents[{i}] = {p}: a parent must come before its child (or be -1)")
+        if p >= 0:
+            mask[i] |= mask[p]
+            depth[i] = depth[p] + 1
+    return mask.to(device), torch.tensor(depth, device=device)
+
+
+def tree_layout_name(parents: tuple[int, ...]) -> str:
+    """The GraphKey layout of a tree: `tree(-1,0,0,1)`."""
+    return "tree(" + ",".join(str(p) for p in parents) + ")"

@@ -197,6 +197,10 @@ class StepRunner:
         """{key: {"compiles": n, "calls": n, "compile_s": s[, "captures": n]}}."""
         return {k: s.as_dict() for k, s in self._stats.items()}
 
+    def total_compiles(self) -> int:
+        """Compilations (and captures) so far, every key together."""
+        return sum(s.compiles + s.captures for s in self._stats.values())
+
     def keys(self) -> list[GraphKey]:
         """Keys with a live compiled step or graph, least recently used first."""
         return list(self._entries)

@@ -123,3 +123,29 @@ def test_native_logits_match_transformers_llama_with_rope_scaling(rope):
         ref = hf(ids).logits
         out = prefill(m, ids)
     assert (out - ref).abs().max() < 1e-4
+
+
+def test_tree_layout_matches_hand_written_matrix_and_each_path_equals_its_chain():
+    from fastspec.layout import tree_block
+    mask, depth = tree_block((-1, 0, 0, 1))
+    assert mask.int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    assert depth.tolist() == [0, 1, 1, 2]
+    with pytest.raises(ValueError):
+        tree_block((-1, 2, 0))
+    # One forward over the tree [s a b c] after a 5-token prefix: token c's logits equal those of
+    # the plain chain [s a c], token b's those of [s b].
+    m = tiny_loaded().model
+    prefix = torch.tensor([[11, 22, 33, 44, 55]])
+    s, a, b, c = 7, 8, 9, 10
+    k, v = fresh_cache(m.cfg, 1, 16)
+    L = prefix.shape[1]
+    pos = torch.arange(L)[None]
+    m(prefix, pos, k, v, pos, cache_mask(torch.zeros(1, dtype=torch.long), causal_block(L), 16), torch.arange(1))
+    lengths = torch.tensor([L])
+    cols = L + torch.arange(4)[None]
+    tree = m(torch.tensor([[s, a, b, c]]), L + depth[None], k, v, cols, cache_mask(lengths, mask, 16),
+             torch.arange(1))
+    chain_c = prefill(m, torch.cat([prefix, torch.tensor([[s, a, c]])], 1))
+    chain_b = prefill(m, torch.cat([prefix, torch.tensor([[s, b]])], 1))
+    assert (tree[0, 3] - chain_c[0, -1]).abs().max() < 1e-4
+    assert (tree[0, 2] - chain_b[0, -1]).abs().max() < 1e-4

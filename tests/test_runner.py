@@ -8,13 +8,14 @@ from fastspec.draft import AdapterConfig, attach_adapter
 from fastspec.graphs.keys import GraphKey, batch_bucket
 from fastspec.graphs.runner import StepRunner, pad_rows, pad_step, trash_slots
 from fastspec.kv_cache import KVCache
-from fastspec.layout import cache_mask, causal_block
+from fastspec.layout import cache_mask, causal_block, tree_block, tree_layout_name
 from fastspec.methods.linear import draft_block_mask
 
 CUDA = torch.cuda.is_available()
 N = 4
 MAX_LEN = 40
 LENGTHS = (5, 9, 3, 12, 1)
+TREE = (-1, 0, 0, 1)            # a branch layout: seed, two candidates, one continuation
 
 # (runner backend, torch.compile backend): the inductor compile has its own single test below.
 BACKENDS = [
@@ -51,8 +52,12 @@ def case(t, n: int, layout: str, device: str, seed: int = 0):
     lengths = torch.tensor(LENGTHS[:n])
     ids = torch.randint(0, cfg.vocab_size, (n, N), generator=g)
     cols = lengths[:, None] + torch.arange(N)
+    pos = cols
     if layout == "chain":                      # LinearSS verify: causal, adapter off
         block_mask, adapter_on = causal_block(N), None
+    elif layout.startswith("tree"):            # tree verify: ancestors only, depth positions
+        block_mask, depth = tree_block(TREE)
+        pos, adapter_on = lengths[:, None] + depth, None
     else:                                      # LinearSS draft: seed + masks, per-row blocks
         blocks = torch.tensor([N, N - 1, 2, N, 3][:n])
         block_mask = draft_block_mask(blocks, N)
@@ -61,7 +66,7 @@ def case(t, n: int, layout: str, device: str, seed: int = 0):
     mask = cache_mask(lengths, block_mask, MAX_LEN)
     slots = torch.arange(n)
     to = (lambda x: None if x is None else x.to(device))
-    return (bucket, to(ids), to(cols), to(cols), to(mask), to(slots), to(adapter_on),
+    return (bucket, to(ids), to(pos), to(cols), to(mask), to(slots), to(adapter_on),
             cache.k.to(device), cache.v.to(device))
 
 
@@ -73,7 +78,7 @@ def reference(model, ids, pos, cols, mask, slots, adapter_on, k, v):
 
 
 @pytest.mark.parametrize("backend, compiler, device", BACKENDS)
-@pytest.mark.parametrize("layout", ["chain", "draft"])
+@pytest.mark.parametrize("layout", ["chain", "draft", tree_layout_name(TREE)])
 @pytest.mark.parametrize("n", [3, 5])
 def test_padded_bucket_matches_eager_unpadded(drafter, backend, compiler, device, layout, n):
     model = drafter.model.to(device)
