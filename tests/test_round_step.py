@@ -121,3 +121,15 @@ def test_inverse_cdf_sampling_follows_the_weights_and_never_draws_zero_weight():
     assert abs(freq[1].item() - 0.75) < 0.015
     # u right at the top end still lands on the last positive weight.
     assert sample_categorical(w[None], torch.tensor([1.0 - 2 ** -24])).item() == 3
+
+
+def test_gpu_check_script_dry_run_on_cpu(tmp_path):
+    """The H200 check's code path (graphs vs eager, profile JSON) on a tiny model on the CPU."""
+    from fastspec.graphs.gpu_check import main
+    from fastspec.graphs.profile import Profile
+    out = tmp_path / "p.json"
+    assert main(["--device", "cpu", "--tiny", "--blocks", "4", "--concurrency", "2", "--context", "8",
+                 "--reps", "1", "--out", str(out)]) == 0
+    prof = Profile.load(str(out))
+    assert {(p["batch"], p["block"], p["layout"]) for p in prof.points} == {(2, 4, "chain"), (2, 4, "draft")}
+    assert prof.meta["check"]["max_rel_err"] < 1e-4
