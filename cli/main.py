@@ -20,6 +20,10 @@ def model_options(fn=None, *, many_backends: bool = False):
     fn = click.option("--model", "-m", default="smollm2-135m", show_default=True,
                       help="Checkpoint: a built-in name (smollm2-135m, tiny-random), an HF directory "
                            "(config.json + *.safetensors) or a .gguf file.")(fn)
+    fn = click.option("--adapter", default="auto", show_default=True,
+                      help="Draft adapter folder (adapter_config.json + adapter.safetensors); auto: "
+                           "the checkpoint's own (draft/, NLD linear_spec_lora/) or the one shipped "
+                           "for a built-in model; none: no adapter.")(fn)
     fn = click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
                       show_default=True, help="Weight and activation precision.")(fn)
     help_text = ("auto: CUDA graphs on a GPU, torch.compile on CPU. compile: one torch.compile'd "
@@ -49,11 +53,13 @@ def sampling_options(fn):
     return fn
 
 
-def load_engine(model: str, dtype: str, backend: str, status: bool = True):
+def load_engine(model: str, dtype: str, backend: str, status: bool = True, adapter: str = "auto"):
     from fastspec.engine import Engine
     from fastspec.model.loader import load_model
+    if adapter not in ("auto", "none") and not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
+        raise FastspecError(f"--adapter {adapter}: no adapter_config.json there")
     with err_console.status(f"loading {model} ..."):
-        loaded = load_model(model, dtype=dtype)
+        loaded = load_model(model, dtype=dtype, adapter=None if adapter == "none" else adapter)
     return Engine(loaded, backend=backend)
 
 
@@ -83,7 +89,7 @@ def cli():
 @click.option("--prompt", "-p", default=None, help="Answer this one prompt and exit.")
 @click.option("--system", default=None, help="System message (default: the chat template's).")
 @user_errors
-def chat(model, dtype, backend, max_new_tokens, temperature, top_p, top_k, seed, method, block,
+def chat(model, dtype, adapter, backend, max_new_tokens, temperature, top_p, top_k, seed, method, block,
          prompt, system):
     """Chat with the model; tokens stream as they are committed."""
     from fastspec.sampling import SamplingParams
@@ -92,7 +98,7 @@ def chat(model, dtype, backend, max_new_tokens, temperature, top_p, top_k, seed,
         raise FastspecError("empty prompt: give --prompt some text")
     from fastspec.methods import get_method
     get_method(method, block=block)          # a bad name or block fails before loading
-    engine = load_engine(model, dtype, backend)
+    engine = load_engine(model, dtype, backend, adapter=adapter)
     history: list[dict] = [{"role": "system", "content": system}] if system else []
 
     def answer(user_text: str) -> None:
@@ -164,7 +170,7 @@ def chat(model, dtype, backend, max_new_tokens, temperature, top_p, top_k, seed,
 @click.option("--plot", "plot_from", type=click.Path(dir_okay=False), default=None,
               help="Instead of running: draw PNG plots from a results JSON written by --json.")
 @user_errors
-def bench(model, dtype, backend, suite, benches, prompts_file, limit, methods, blocks, concurrency,
+def bench(model, dtype, adapter, backend, suite, benches, prompts_file, limit, methods, blocks, concurrency,
           max_new_tokens, temperature, top_p, top_k, seed, data_dir, peers, no_baseline, json_out,
           plot_from):
     """Benchmark decoding methods: τ, tokens/forward, tokens/s, speedup over AR, accuracy.
@@ -185,7 +191,7 @@ def bench(model, dtype, backend, suite, benches, prompts_file, limit, methods, b
     if max_new_tokens is not None and max_new_tokens < 1:
         raise FastspecError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     from fastspec.evals.runner import run_bench
-    run_bench(model=model, dtype=dtype, backend=backend, max_new_tokens=max_new_tokens,
+    run_bench(model=model, dtype=dtype, adapter=adapter, backend=backend, max_new_tokens=max_new_tokens,
               temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, suite=suite,
               benches=benches, prompts_file=prompts_file, limit=limit, methods=methods, blocks=blocks,
               concurrency=concurrency, data_dir=data_dir, json_out=json_out, peers=peers,

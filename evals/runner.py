@@ -121,7 +121,7 @@ def environment(model: str, dtype: str, backend: str) -> dict:
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
-def run_bench(*, model, dtype, backend, max_new_tokens, temperature, top_p, top_k, seed, suite,
+def run_bench(*, model, dtype, backend, adapter="auto", max_new_tokens, temperature, top_p, top_k, seed, suite,
               benches, prompts_file, limit, methods, blocks, concurrency, data_dir, json_out,
               peers, baseline, console: Console, load_engine):
     from fastspec.evals.prompts import build_messages
@@ -143,7 +143,7 @@ def run_bench(*, model, dtype, backend, max_new_tokens, temperature, top_p, top_
     items = load_items(suite, benches, prompts_file, limit, data_dir, max_new_tokens, console)
     params = [replace(base, max_new_tokens=it.max_new_tokens) for it in items]
 
-    engine = load_engine(model, dtype, backends[0])
+    engine = load_engine(model, dtype, backends[0], adapter=adapter)
     # Later backends share the loaded weights; their rows are labelled "ar (eager)", ...
     from fastspec.engine import Engine
     engines = [(engine, "")] + [(Engine(engine.loaded, backend=b), f" ({b})") for b in backends[1:]]
@@ -194,7 +194,9 @@ def run_bench(*, model, dtype, backend, max_new_tokens, temperature, top_p, top_
     if json_out:
         os.makedirs(os.path.dirname(os.path.abspath(json_out)), exist_ok=True)
         with open(json_out, "w") as f:
-            json.dump({"environment": environment(model, dtype, backend), "runs": runs,
+            json.dump({"environment": {**environment(model, dtype, backend),
+                                       "adapter": getattr(engine.loaded, "adapter_path", None)},
+                       "runs": runs,
                        "metrics": m, "records": [asdict(r) for r in records]}, f, indent=1)
         console.print(f"wrote {json_out}  (plots: fastspec bench --plot {json_out})")
     return m

@@ -35,6 +35,7 @@ def test_chat_one_shot_on_tiny_model_streams_an_answer():
 
 @pytest.mark.parametrize("args, needle", [
     (["bench", "--model", "tiny-random", "--backend", "eager,warp", "--prompts", "x.jsonl"], "backend"),
+    (["chat", "--model", "tiny-random", "--adapter", "/nonexistent", "--prompt", "hi"], "adapter_config.json"),
     (["chat", "--model", "/nonexistent/ckpt", "--prompt", "hi"], "no such file"),
     (["chat", "--model", "tiny-random", "--prompt", "  "], "empty prompt"),
     (["chat", "--model", "tiny-random", "--backend", "eager", "--prompt", "hi", "--temperature", "-1"], "temperature"),
