@@ -56,6 +56,5 @@ def accept_chain(drafts: torch.Tensor, target_logits: torch.Tensor, block: torch
     # An all-zero residual (p == q) cannot be sampled from; p itself is the right law then.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_k)
     last = sample_categorical(residual, sampler.uniform(STREAM_RESIDUAL, rows=S))   # [S]
-    emitted = drafts.clone()
-    emitted.scatter_(1, accepted[:, None], last[:, None])
+    emitted = drafts.scatter(1, accepted[:, None], last[:, None])
     return emitted, accepted + 1, accepted

@@ -138,7 +138,8 @@ def _skinny_backend(packed: dict[int, tuple[torch.Tensor, int]]):
             node.replace_all_uses_with(y)
             gm.graph.erase_node(node)
         _rewrite_kv_writes(gm, set(placeholders))
-        gm.graph.eliminate_dead_code()
+        # No eliminate_dead_code() here: it drops in-place ops whose result is unused
+        # (`t.scatter_(...)` on a tensor read later), silently changing the step's outputs.
         gm.graph.lint()
         gm.recompile()
         compiled = compile_fx(gm, list(example_inputs) + extra)

@@ -1,7 +1,7 @@
 """The GPU check: NLD-8B-shaped random weights, captured graphs vs eager, and a saved profile.
 
     python -m fastspec.graphs.gpu_check                       # on the H200: profiles/<device>-nld-8b-shaped.json
-    python -m fastspec.graphs.gpu_check --tiny --device cpu   # the same code path on a tiny model (CI, dry run)
+    python -m fastspec.graphs.gpu_check --tiny --device cpu   # the same code path on a tiny model (dry run)
 
 Installs nothing and downloads nothing. For every block size B and concurrency C it builds the
 forward inputs the engine would (a context of `--context` committed tokens, chain and draft
@@ -78,6 +78,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--mode", default="default", help="inductor mode for captured steps")
+    ap.add_argument("--backend", default="compile", choices=("compile", "eager"),
+                    help="compile: CUDA graphs on a GPU (torch.compile on CPU); eager: the reference")
     ap.add_argument("--tolerance", type=float, default=2e-2, help="relative, bf16")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -95,7 +97,7 @@ def main(argv=None) -> int:
     name = "tiny-ministral3-random" if a.tiny else "nld-8b-shaped-random"
     print(f"built {name} on {a.device} in {time.perf_counter() - t0:.1f} s", flush=True)
     runner_mod.CUDA_GRAPH_MODE = a.mode
-    fwd = prof.runner_forward(model, "compile")
+    fwd = prof.runner_forward(model, a.backend)
     worst = 0.0
     for block in blocks:
         for c in levels:
@@ -105,7 +107,7 @@ def main(argv=None) -> int:
                 print(f"B={block:>3} C={c:>3} {layout:<5} graph vs eager: {err:.2e}", flush=True)
     loaded = SimpleNamespace(model=model, cfg=model.cfg, name=name)
     profile = prof.run_profile(loaded, batches=levels, blocks=blocks, layouts=("chain", "draft"),
-                               contexts=(a.context,), backend="compile", reps=a.reps,
+                               contexts=(a.context,), backend=a.backend, reps=a.reps,
                                bandwidth_mib=4096 if a.device.startswith("cuda") else 64,
                                on_point=lambda p: print(f"  {p['batch']:>3}×{p['block']:<3} "
                                                         f"{p['layout']:<5} {p['ms']:.3f} ms", flush=True))

@@ -45,6 +45,16 @@ COMPILED = [pytest.param("compile", "aot_eager", "cpu", id="compile-aot_eager"),
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
 @pytest.mark.parametrize("n", [3, 5])          # 3 requests in the 4 bucket, 5 in the 8 bucket
 def test_compiled_linear_round_equals_eager_round(drafter, backend, compiler, device, sampling, n):
+    check_compiled_round(drafter, backend, compiler, device, sampling, n)
+
+
+def test_inductor_compiled_sampled_round_equals_eager_round(drafter):
+    """The one whole-round test on fastspec's real compile backend (skinny GEMM pass + inductor),
+    in the mode with the most code: sampling with top-k/top-p, rejection and residual draws."""
+    check_compiled_round(drafter, "compile", None, "cpu", "filtered", 3)
+
+
+def check_compiled_round(drafter, backend, compiler, device, sampling, n):
     drafter.model.to(device)
     try:
         ps, params = prompts(n, seed=n), SAMPLINGS[sampling]
@@ -129,7 +139,7 @@ def test_gpu_check_script_dry_run_on_cpu(tmp_path):
     from fastspec.graphs.profile import Profile
     out = tmp_path / "p.json"
     assert main(["--device", "cpu", "--tiny", "--blocks", "4", "--concurrency", "2", "--context", "8",
-                 "--reps", "1", "--out", str(out)]) == 0
+                 "--reps", "1", "--backend", "eager", "--out", str(out)]) == 0
     prof = Profile.load(str(out))
     assert {(p["batch"], p["block"], p["layout"]) for p in prof.points} == {(2, 4, "chain"), (2, 4, "draft")}
     assert prof.meta["check"]["max_rel_err"] < 1e-4

@@ -185,3 +185,19 @@ def test_backend_choice():
         assert StepRunner("auto").resolved == "compile"
         with pytest.raises(FastspecError, match="CUDA"):
             StepRunner("cuda-graph")
+
+
+def test_in_place_ops_inside_a_step_survive_the_compile_pass():
+    """fastspec's backend must keep an in-place op whose result is unused (a DCE pass dropped it)."""
+    runner = StepRunner("compile")                     # fastspec's own pass + inductor
+
+    def step(x, idx, val):
+        out = x.clone()
+        out.scatter_(1, idx, val)                      # result unused: `out` is read instead
+        return out * 2
+
+    x = torch.zeros(3, 4)
+    idx = torch.tensor([[1], [0], [3]])
+    val = torch.tensor([[5.0], [6.0], [7.0]])
+    got, = runner.run(GraphKey(3, 4, "scatter"), step, x, idx, val)
+    assert got.tolist() == [[0, 10, 0, 0], [12, 0, 0, 0], [0, 0, 0, 14]]
