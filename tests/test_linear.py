@@ -8,7 +8,8 @@ from conftest import tiny_loaded
 from fastspec.draft import AdapterConfig, attach_adapter
 from fastspec.engine import Engine
 from fastspec.layout import cache_mask, causal_block
-from fastspec.methods.linear import draft_block_mask
+from fastspec.graphs.keys import GraphKey
+from fastspec.methods.linear import BLOCK_SIZES, LinearSS, draft_block_mask
 from fastspec.sampling import SamplerState, SamplingParams, filtered_logprobs
 from fastspec.verify import accept_chain
 
@@ -127,3 +128,25 @@ def test_speculative_sampling_on_the_model_matches_exact_two_token_law():
         distances.append(tv(emp, exact))
     assert distances[1] < 0.06, distances
     assert distances[1] < distances[0]
+
+
+class PerRequestBlocks(LinearSS):
+    """Each request its own block size from {4, 8, 16, 32}, all in one batch."""
+
+    def __init__(self):
+        super().__init__(block=32)
+
+    def block_for(self, seq) -> int:
+        return BLOCK_SIZES[seq.index % len(BLOCK_SIZES)]
+
+
+def test_requests_with_different_block_sizes_share_one_batch_and_equal_ar():
+    engine = drafting_engine(seed=2)
+    prompts = random_prompts(8, seed=7)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    ar = engine.generate(prompts, params, method="ar", concurrency=8)
+    out = engine.generate(prompts, params, method=PerRequestBlocks(), concurrency=8)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    for c in out:        # a round commits at most the request's own block (seed + drafts)
+        assert max(c.accept_lengths) <= BLOCK_SIZES[c.index % len(BLOCK_SIZES)]
+    assert engine.runner.stats()[GraphKey(8, 32, "linear")]["calls"] >= 2
