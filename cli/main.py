@@ -84,7 +84,7 @@ def cli():
 @click.option("--method", default="ar", show_default=True,
               help="Decoding method: ar (plain autoregressive) or linear (self-speculative: draft a "
                    "block, verify it; accepted draft tokens are shown in green).")
-@click.option("--block", type=int, default=16, show_default=True,
+@click.option("--block", type=int, default=8, show_default=True,
               help="Draft block size for speculative methods (4, 8, 16 or 32).")
 @click.option("--prompt", "-p", default=None, help="Answer this one prompt and exit.")
 @click.option("--system", default=None, help="System message (default: the chat template's).")
@@ -149,7 +149,7 @@ def chat(model, dtype, adapter, backend, max_new_tokens, temperature, top_p, top
 @click.option("--limit", type=int, default=5, show_default=True, help="Problems per benchmark.")
 @click.option("--method", "methods", default="ar", show_default=True,
               help="Comma-separated methods to compare, e.g. ar,linear. AR always runs as the reference.")
-@click.option("--block", "blocks", default="16", show_default=True,
+@click.option("--block", "blocks", default="8", show_default=True,
               help="Draft block size(s) for speculative methods; a list (8,16,32) sweeps them.")
 @click.option("--concurrency", default="1", show_default=True,
               help="Comma-separated numbers of requests decoded together, e.g. 1,2,8,32.")
