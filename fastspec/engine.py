@@ -23,8 +23,8 @@ from fastspec.graphs.keys import GraphKey, batch_bucket
 from fastspec.graphs.runner import StepRunner
 from fastspec.kv_cache import KVCache
 from fastspec.methods import Method, RoundOutput, get_method
-from fastspec.layout import cache_mask, causal_block
-from fastspec.sampling import SamplerState, SamplingParams, sample_tokens
+from fastspec.layout import block_placement, cache_mask, causal_block
+from fastspec.sampling import SamplerState, SamplingParams, sample_tokens, sampling_mode
 
 CTX_ALIGN = 256
 
@@ -119,15 +119,6 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
 
-def forward_inputs(lengths: torch.Tensor, n: int, block_mask: torch.Tensor, max_len: int):
-    """Write columns / positions, cache mask and slots for n new tokens per slot after `lengths`.
-
-    lengths = [5, 2], n = 3 -> columns [[5 6 7] [2 3 4]]; each row sees its committed prefix
-    plus block_mask among the new tokens."""
-    cols = lengths[:, None] + torch.arange(n, device=lengths.device)
-    return cols, cache_mask(lengths, block_mask, max_len), torch.arange(lengths.shape[0], device=lengths.device)
-
-
 class Step:
     """What a method's round sees inside one step: the batch's view of the KV cache, the sampler
     and the model forward. The whole round is traced as one function, so `forward` calls the
@@ -144,7 +135,7 @@ class Step:
                 adapter_on: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [S, n, V] for n new tokens per slot, written after each slot's committed length.
         block_mask [n, n] or [S, n, n] among the new tokens; adapter_on [S, n] or None."""
-        cols, mask, slots = forward_inputs(self.lengths, ids.shape[1], block_mask, self.k.shape[3])
+        cols, mask, slots = block_placement(self.lengths, ids.shape[1], block_mask, self.k.shape[3])
         return self.model(ids, cols, self.k, self.v, cols, mask, slots, adapter_on)
 
 
@@ -177,6 +168,7 @@ class Engine:
         self.sampler: SamplerState | None = None
         self.round_width = 1
         self.name = getattr(loaded, "name", "this model")
+        self.last_round: RoundOutput | None = None      # the latest round (draft statistics)
         self._methods: dict[tuple, Method] = {}
         self._round_fns: dict[tuple, Callable] = {}
 
@@ -228,9 +220,8 @@ class Engine:
         t0 = time.perf_counter()
         S = self.cache.num_slots
         run_sampler = self.sampler
-        self.sampler = SamplerState(S, self.device)
-        if run_sampler is not None:           # the same code path (GraphKey.sampling) as the run
-            self.sampler.any_sampled, self.sampler.any_filtered = run_sampler.any_sampled, run_sampler.any_filtered
+        # The same code path (GraphKey.sampling) as the run.
+        self.sampler = SamplerState(S, self.device, mode=run_sampler.mode if run_sampler else "greedy")
         self.stats = RunStats()
         self.cache.lengths.fill_(1)
         blocks = torch.full((S,), method.max_block(), dtype=torch.long, device=self.device)
@@ -275,7 +266,7 @@ class Engine:
         Returns logits [S, n, V]. Nothing is committed.
         """
         c = self.cache
-        cols, mask, slots = forward_inputs(c.lengths, ids.shape[1], block_mask, c.max_len)
+        cols, mask, slots = block_placement(c.lengths, ids.shape[1], block_mask, c.max_len)
         self.stats.forwards += 1
         key = GraphKey(c.num_slots, ids.shape[1], layout)
         # The K/V caches (inputs 2, 3) are written in place: the runner uses them by address.
@@ -301,15 +292,18 @@ class Engine:
             model, width = self.model, meth.max_block()
 
             def round_step(pending, blocks, active, lengths, k, v, *sampler_tensors):
-                step = Step(model, k, v, lengths, SamplerState.view(sampler_tensors, mode), width)
-                out = meth.round(step, pending, blocks)
+                sampler = SamplerState.view(sampler_tensors, mode)
+                out = meth.round(Step(model, k, v, lengths, sampler, width), pending, blocks)
                 # Commit by length: the seed and the accepted drafts (whose K/V the verify
-                # forward wrote) join the prefix; the last emitted token seeds the next round.
+                # forward wrote) join the prefix; the last emitted token seeds the next round,
+                # and active rows move their random streams on.
                 new_lengths = lengths + out.n_emitted * active
+                new_counter = sampler.counter + active
                 next_pending = out.emitted.gather(1, (out.n_emitted - 1)[:, None])[:, 0]
                 extra = tuple(t for t in (out.draft_prob, out.draft_confidence, out.draft_margin)
                               if t is not None)
-                return (out.emitted, out.n_emitted, out.n_drafted, new_lengths, next_pending) + extra
+                return (out.emitted, out.n_emitted, out.n_drafted, new_lengths, new_counter,
+                        next_pending) + extra
 
             fn = self._round_fns[key] = torch.no_grad()(round_step)
         return fn
@@ -323,9 +317,9 @@ class Engine:
         # K/V (inputs 4, 5) are written in place: the runner uses them by address.
         outs = self.runner.run(key, self._round_fn(meth, s.mode), pending, blocks, active,
                                c.lengths, c.k, c.v, *s.tensors(), static=(4, 5))
-        emitted, n_emitted, n_drafted, lengths, next_pending, *draft_stats = outs
+        emitted, n_emitted, n_drafted, lengths, counter, next_pending, *draft_stats = outs
         c.lengths.copy_(lengths)
-        s.counter += active                        # fresh random numbers next round
+        s.counter.copy_(counter)
         self.stats.forwards += meth.forwards
         out = RoundOutput(emitted, n_emitted, n_drafted, *draft_stats)
         self.last_round = out
@@ -358,10 +352,8 @@ class Engine:
             return []
         num_slots = batch_bucket(min(concurrency, len(seqs)))
         self.round_width = meth.max_block()
-        self.sampler = SamplerState(num_slots, self.device)
-        for sp in per_request:                 # the run's sampling code path, known up front
-            self.sampler.any_sampled |= not sp.greedy
-            self.sampler.any_filtered |= (not sp.greedy) and (sp.top_k > 0 or sp.top_p < 1)
+        # The run's sampling code path is known up front: the warm-up compiles that step.
+        self.sampler = SamplerState(num_slots, self.device, mode=sampling_mode(per_request))
         # Headroom: a round writes up to round_width speculative K/V after the committed length.
         self.prepare(num_slots, max(len(s.prompt_ids) + s.params.max_new_tokens for s in seqs)
                      + self.round_width, meth)

@@ -41,6 +41,16 @@ def cache_mask(lengths: torch.Tensor, block_mask: torch.Tensor, ctx: int) -> tor
     return (rel < 0)[:, None, :] | (in_block[:, None, :] & gathered)
 
 
+def block_placement(lengths: torch.Tensor, n: int, block_mask: torch.Tensor, ctx: int):
+    """(write columns = positions [B, n], mask over cache columns [B, n, ctx], slots [B]) for n new
+    tokens per row written right after each row's committed length.
+
+    lengths = [5, 2], n = 3 -> columns [[5 6 7] [2 3 4]]; each row sees its committed prefix
+    plus block_mask among the new tokens."""
+    cols = lengths[:, None] + torch.arange(n, device=lengths.device)
+    return cols, cache_mask(lengths, block_mask, ctx), torch.arange(lengths.shape[0], device=lengths.device)
+
+
 def tree_block(parents: tuple[int, ...], device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """A token tree laid out flat: ([n, n] mask, [n] depth). parents[i] is the index of token i's
     parent within the block (-1: a root, attached to the committed prefix); parents come first.

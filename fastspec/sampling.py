@@ -52,11 +52,23 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
-def request_seed(seed: int, index: int) -> int:
-    """The random stream of request `index` under SamplingParams.seed: one per request, so a
+def request_seeds(seed: int, indices: torch.Tensor) -> torch.Tensor:
+    """The random streams of requests `indices` under SamplingParams.seed: one per request, so a
     request's samples do not depend on which slot it lands in or what runs beside it."""
-    x = torch.tensor([seed & _M32, index & _M32])
-    return int(_mix32((_mix32(x[:1]) + x[1:]) & _M32))
+    return _mix32((_mix32(torch.tensor(seed & _M32)) + (indices & _M32)) & _M32)
+
+
+# The code a step needs for its requests, least to most: argmax only, sampling, sampling + filters.
+MODES = ("greedy", "sample", "filtered")
+
+
+def sampling_mode(params) -> str:
+    """The widest mode any of `params` (SamplingParams) needs."""
+    need = 0
+    for p in params:
+        if not p.greedy:
+            need = max(need, 2 if (p.top_k > 0 or p.top_p < 1) else 1)
+    return MODES[need]
 
 
 def uniform(seed: torch.Tensor, counter: torch.Tensor, stream: int, shape: tuple[int, ...] = ()) -> torch.Tensor:
@@ -80,33 +92,38 @@ def uniform(seed: torch.Tensor, counter: torch.Tensor, stream: int, shape: tuple
 class SamplerState:
     """Per-slot sampling parameters and random streams as tensors.
 
-    seed [S]: each slot's request stream (`request_seed`); counter [S]: the request's round, so
-    every round draws fresh numbers. Host flags say which code a step needs (its `mode`)."""
+    seed [S]: each slot's request stream (`request_seeds`); counter [S]: the request's round, so
+    every round draws fresh numbers. `mode` (host side) says which code a step needs."""
 
-    def __init__(self, num_slots: int, device="cpu", seed: int = 0):
+    def __init__(self, num_slots: int, device="cpu", seed: int = 0, mode: str = "greedy"):
         self.temperature = torch.zeros(num_slots, device=device)
         self.top_k = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.top_p = torch.ones(num_slots, device=device)
         # Until `set` assigns requests, slot i draws from request i's stream.
-        self.seed = _mix32((_mix32(torch.tensor(seed & _M32)) + torch.arange(num_slots)) & _M32).to(device)
+        self.seed = request_seeds(seed, torch.arange(num_slots)).to(device)
         self.counter = torch.zeros(num_slots, dtype=torch.long, device=device)
-        self.any_sampled = False      # host-side: skip all filtering when every request is greedy
-        self.any_filtered = False
+        self.mode = mode
+
+    @property
+    def mode(self) -> str:
+        """What the step must compute: greedy (argmax only), sample, or sample with filters."""
+        return "filtered" if self.any_filtered else "sample" if self.any_sampled else "greedy"
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown sampling mode {mode!r} (one of {MODES})")
+        self.any_sampled = mode != "greedy"       # host-side: greedy steps skip all sampling code
+        self.any_filtered = mode == "filtered"
 
     def set(self, slot: int, p: SamplingParams, index: int = 0) -> None:
         """Slot `slot` now serves request `index` with params `p`."""
         self.temperature[slot] = p.temperature
         self.top_k[slot] = p.top_k
         self.top_p[slot] = p.top_p
-        self.seed[slot] = request_seed(p.seed, index)
+        self.seed[slot] = request_seeds(p.seed, torch.tensor(index))
         self.counter[slot] = 0
-        self.any_sampled |= not p.greedy
-        self.any_filtered |= (not p.greedy) and (p.top_k > 0 or p.top_p < 1)
-
-    @property
-    def mode(self) -> str:
-        """What the step must compute: greedy (argmax only), sample, or sample with filters."""
-        return "filtered" if self.any_filtered else "sample" if self.any_sampled else "greedy"
+        self.mode = max(self.mode, sampling_mode([p]), key=MODES.index)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.temperature, self.top_k, self.top_p, self.seed, self.counter
@@ -116,7 +133,7 @@ class SamplerState:
         """A SamplerState over given tensors (inside a compiled step: its inputs)."""
         s = cls.__new__(cls)
         s.temperature, s.top_k, s.top_p, s.seed, s.counter = tensors
-        s.any_sampled, s.any_filtered = mode != "greedy", mode == "filtered"
+        s.mode = mode
         return s
 
     def uniform(self, stream: int, shape: tuple[int, ...] = (), rows: int | None = None,

@@ -34,7 +34,7 @@ import torch
 
 from fastspec.config import FastspecError, ModelConfig
 from fastspec.graphs.roofline import Roofline, fit_roofline, forward_bytes, forward_flops
-from fastspec.layout import cache_mask, causal_block
+from fastspec.layout import block_placement, causal_block
 
 LAYOUTS = ("chain", "draft")
 BACKENDS = ("compile", "inductor", "eager")
@@ -247,13 +247,10 @@ def forward_inputs(cfg: ModelConfig, batch: int, block: int, layout: str, ctx: i
     v = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
     ids = torch.randint(0, cfg.vocab_size, (batch, block), generator=g).to(device)
     lengths = torch.full((batch,), ctx, device=device)
-    cols = lengths[:, None] + torch.arange(block, device=device)
-    slots = torch.arange(batch, device=device)
-    if layout == "chain":
-        mask = cache_mask(lengths, causal_block(block, device), width)
-        adapter_on = None
-    else:
-        mask = cache_mask(lengths, _draft_mask(block, device), width)
+    block_mask = causal_block(block, device) if layout == "chain" else _draft_mask(block, device)
+    cols, mask, slots = block_placement(lengths, block, block_mask, width)      # as the engine lays them out
+    adapter_on = None
+    if layout != "chain":
         adapter_on = (torch.arange(block, device=device) > 0)[None, :].expand(batch, block).contiguous()
         if mask_token_id is not None:
             ids[:, 1:] = mask_token_id

@@ -86,9 +86,8 @@ def test_rejection_sampling_preserves_the_target_distribution():
     p0 = target_logits[0].softmax(-1)
     distances = []
     for samples, seed in ((500, 1), (50_000, 2)):
-        sampler = SamplerState(samples, seed=seed)
+        sampler = SamplerState(samples, seed=seed, mode="sample")
         sampler.temperature.fill_(1.0)
-        sampler.any_sampled = True
         q = draft_logits.log_softmax(-1).expand(samples, n, V)
         drafts = torch.multinomial(q[0].exp(), samples, replacement=True,
                                    generator=torch.Generator().manual_seed(seed)).T    # [samples, n]
