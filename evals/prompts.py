@@ -1,4 +1,4 @@
-"""Chat messages per benchmark, and rendering them with a tokenizer's chat template."""
+"""Chat messages per benchmark (the engine renders them with the chat template: Engine.render_chat)."""
 from __future__ import annotations
 
 from .data import Problem
@@ -34,10 +34,3 @@ def _user_text(p: Problem) -> str:
 def build_messages(problem: Problem) -> list[dict]:
     return [{"role": "user", "content": _user_text(problem)}]
 
-
-def render_prompt(tokenizer, messages: list[dict]) -> str:
-    """Prompt string for generation: chat template when the tokenizer has one, else plain text."""
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    # Base models without a template: the message texts, then a newline to start the answer.
-    return "\n\n".join(m["content"] for m in messages) + "\n"

@@ -70,6 +70,9 @@ def metrics(records, runs) -> dict:
              "macro": rows per (method, C) averaged over benchmarks}. Find a row with `lookup`.
     """
     recs = [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r for r in records]
+    # Requests that could not run (error rows) are counted, never averaged in.
+    failed = Counter((r["method"], r["concurrency"]) for r in recs if r.get("error"))
+    recs = [r for r in recs if not r.get("error")]
     run_at = {(r["method"], r["concurrency"]): r for r in runs}
     methods = _ordered([r["method"] for r in runs] + [r["method"] for r in recs])
     if REFERENCE in methods:
@@ -88,7 +91,8 @@ def metrics(records, runs) -> dict:
             if (m, c) not in run_at and (m, c) not in groups:
                 continue
             run, ref = run_at.get((m, c)), run_at.get((REFERENCE, c))
-            row = {"method": m, "concurrency": c, **_stats(groups.get((m, c), []))}
+            row = {"method": m, "concurrency": c, **_stats(groups.get((m, c), [])),
+                   "errors": failed.get((m, c), 0)}
             if row["tokens_per_forward"] is None and run is not None:
                 row["tokens_per_forward"] = run.get("tokens_per_forward")
             row["tokens_per_s"] = run["tokens_per_s"] if run else None
@@ -236,6 +240,10 @@ def write_plots(results_json_path: str, out_dir: str) -> list[str]:
     A plot with no data (e.g. no record has accept_lengths) is not written.
     """
     res = load_results(results_json_path)
+    try:
+        import matplotlib  # noqa: F401  (an optional dependency: only the plots need it)
+    except ImportError:
+        raise FastspecError("--plot needs matplotlib: pip install matplotlib") from None
     m = metrics(res["records"], res["runs"])
     os.makedirs(out_dir, exist_ok=True)
     paths = []

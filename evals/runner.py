@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field, replace
 
-import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fastspec.config import FastspecError, parse_int_list
+from fastspec.graphs.keys import batch_bucket
 from fastspec.sampling import SamplingParams
 
 
@@ -33,11 +33,13 @@ class Record:
     tau: float | None
     latency_s: float
     ttft_s: float | None
-    finish_reason: str
+    finish_reason: str              # eos | length | error
     correct: bool | None
     identical: bool | None
     completion: str
     accept_lengths: list[int] | None = field(default=None)
+    batch_bucket: int | None = None  # the step batch a full round ran at (C padded to a bucket)
+    error: str | None = None         # why this request could not run (then finish_reason "error")
 
 
 @dataclass
@@ -46,6 +48,16 @@ class Item:
     id: str
     problem: object            # evals.data.Problem, or the raw text of a --prompts line
     max_new_tokens: int
+
+
+def check_blocks(methods: list[str], blocks: list[int]) -> None:
+    """Every --block must suit every speculative method asked for, before anything runs. With AR
+    alone the block is checked against the default speculative method (linear), so a typo in a
+    script fails at once rather than when a speculative method is added to it."""
+    from fastspec.methods import get_method
+    for name in [m for m in methods if m != "ar"] or ["linear"]:
+        for b in blocks:
+            get_method(name, block=b)          # raises the method's own one-line error
 
 
 def parse_methods(methods: str, blocks: list[int], baseline: bool) -> list[tuple[str, str, int | None]]:
@@ -57,6 +69,7 @@ def parse_methods(methods: str, blocks: list[int], baseline: bool) -> list[tuple
     for n in names:
         if n not in METHODS:
             raise FastspecError(f"unknown method {n!r} (available: {', '.join(METHODS)})")
+    check_blocks(names, blocks)
     if baseline and "ar" not in names:
         names.insert(0, "ar")
     if "ar" in names:
@@ -71,6 +84,30 @@ def parse_methods(methods: str, blocks: list[int], baseline: bool) -> list[tuple
     return out
 
 
+def read_prompts(path: str, max_new_tokens: int | None) -> list[Item]:
+    """--prompts: one JSON object per line with a 'prompt' (or 'question') field, UTF-8."""
+    if not os.path.isfile(path):
+        raise FastspecError(f"prompts file not found: {path}")
+    items: list[Item] = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    raise FastspecError(f"{path}:{i + 1}: not valid JSON") from None
+                text = (row.get("prompt") or row.get("question")) if isinstance(row, dict) else None
+                if not text or not str(text).strip():
+                    raise FastspecError(f"{path}:{i + 1}: no 'prompt' or 'question' field")
+                items.append(Item("prompts", str(row.get("id", i)), str(text), max_new_tokens or 256))
+    except UnicodeDecodeError as e:
+        raise FastspecError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                            f"{e.start} of a line)") from None
+    return items
+
+
 def load_items(suite, benches, prompts_file, limit, data_dir, max_new_tokens, console) -> list[Item]:
     """Problems for the requested sources; missing data is named in one line and skipped."""
     from fastspec.evals.data import DataNotFound, load_benchmark
@@ -79,21 +116,7 @@ def load_items(suite, benches, prompts_file, limit, data_dir, max_new_tokens, co
 
     items: list[Item] = []
     if prompts_file:
-        if not os.path.exists(prompts_file):
-            raise FastspecError(f"prompts file not found: {prompts_file}")
-        with open(prompts_file) as f:
-            for i, line in enumerate(f):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    raise FastspecError(f"{prompts_file}:{i + 1}: not valid JSON") from None
-                text = (row.get("prompt") or row.get("question")) if isinstance(row, dict) else None
-                if not text or not str(text).strip():
-                    raise FastspecError(f"{prompts_file}:{i + 1}: no 'prompt' or 'question' field")
-                items.append(Item("prompts", str(row.get("id", i)), str(text), max_new_tokens or 256))
-        items = items[:limit]
+        items = read_prompts(prompts_file, max_new_tokens)[:limit]
     if suite or benches or not prompts_file:
         names = resolve_benches(suite=suite if (suite or benches) else "math", bench=benches)
         for name in names:
@@ -109,44 +132,75 @@ def load_items(suite, benches, prompts_file, limit, data_dir, max_new_tokens, co
     return items
 
 
-def environment(model: str, dtype: str, backend: str) -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=os.path.dirname(__file__)).stdout.strip() or None
-    except OSError:
-        commit = None
-    return {"torch": torch.__version__, "device": "cpu", "threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
-            "model": model, "dtype": dtype, "backend": backend, "commit": commit,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-
-
-def run_bench(*, model, dtype, backend, adapter="auto", max_new_tokens, temperature, top_p, top_k, seed, suite,
-              benches, prompts_file, limit, methods, blocks, concurrency, data_dir, json_out,
-              peers, baseline, console: Console, load_engine):
-    from fastspec.evals.prompts import build_messages
-    from fastspec.evals.report import metrics, print_report
-    from fastspec.evals.scoring import score
-
-    if limit < 1:
-        raise FastspecError(f"--limit must be >= 1, got {limit}")
+def parse_backends(backend: str) -> list[str]:
     from fastspec.graphs.runner import BACKENDS
     backends = list(dict.fromkeys(b.strip() for b in str(backend).split(",") if b.strip()))
     bad = [b for b in backends if b not in BACKENDS]
     if not backends or bad:
         raise FastspecError(f"unknown --backend {', '.join(bad) or repr(backend)} "
                             f"(choose among {', '.join(BACKENDS)})")
+    return backends
+
+
+def environment(engines, model: str) -> dict:
+    """Where the run ran: device name, dtype, the backend(s) that actually ran, versions, commit."""
+    from fastspec.graphs.profile import ran_backend, run_environment
+    first = engines[0]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, cwd=os.path.dirname(__file__)).stdout.strip() or None
+    except OSError:
+        commit = None
+    ran = ",".join(ran_backend(e.runner, e.device) for e in engines)
+    return {**run_environment(first.device, first.dtype, ran), "model": model, "commit": commit,
+            "adapter": getattr(first.loaded, "adapter_path", None),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def _too_long(engine, method: str, block, ids: list[int], p: SamplingParams) -> str | None:
+    """Why this request cannot run on this engine (None if it can): the engine needs room for
+    the prompt, the new tokens and one round's speculative K/V (the rule of Engine.prepare, asked
+    per request so one long prompt fails alone instead of failing its whole batch)."""
+    need = len(ids) + p.max_new_tokens + engine.method(method, block).max_block()
+    if need <= engine.max_context:
+        return None
+    return (f"prompt of {len(ids)} tokens plus {p.max_new_tokens} new tokens needs {need} positions "
+            f"but the context is {engine.max_context}")
+
+
+def run_bench(*, model, dtype, backend, device="auto", adapter="auto", max_new_tokens, temperature,
+              top_p, top_k, seed, suite, benches, prompts_file, limit, methods, blocks, concurrency,
+              data_dir, json_out, peers, baseline, console: Console, load_engine):
+    from fastspec.draft import has_adapter
+    from fastspec.engine import Engine
+    from fastspec.evals.prompts import build_messages
+    from fastspec.evals.report import metrics, print_report
+    from fastspec.evals.scoring import score
+    from fastspec.files import check_writable, write_json
+
+    # Every flag is checked before the model loads or anything runs.
+    if limit < 1:
+        raise FastspecError(f"--limit must be >= 1, got {limit}")
+    backends = parse_backends(backend)
     plan = parse_methods(methods, parse_int_list(blocks, "--block"), baseline)
     levels = parse_int_list(concurrency, "--concurrency")
     peer_names = [p.strip() for p in (peers or "").split(",") if p.strip()]
     base = SamplingParams(temperature, top_k, top_p, max_new_tokens or 256, seed)   # validates flags
     items = load_items(suite, benches, prompts_file, limit, data_dir, max_new_tokens, console)
     params = [replace(base, max_new_tokens=it.max_new_tokens) for it in items]
+    if json_out:
+        check_writable(json_out, "--json")
 
-    engine = load_engine(model, dtype, backends[0], adapter=adapter)
+    engine = load_engine(model, dtype, backends[0], adapter=adapter, device=device)
     # Later backends share the loaded weights; their rows are labelled "ar (eager)", ...
-    from fastspec.engine import Engine
     engines = [(engine, "")] + [(Engine(engine.loaded, backend=b), f" ({b})") for b in backends[1:]]
+    for _, method, block in plan:              # before any run: not one error row per request
+        if engine.method(method, block).needs_adapter and not has_adapter(engine.model):
+            raise FastspecError(f"method {method!r} needs a draft adapter and {model} has none: train "
+                                f"one with `fastspec train-drafter --model {model}` or pass --adapter")
+    env = environment([e for e, _ in engines], model)
+    console.print(f"[dim]{model} on {env['device']}, {env['dtype']}, backend {env['backend']}[/]",
+                  highlight=False)
     texts = [engine.render_chat([{"role": "user", "content": it.problem}]) if isinstance(it.problem, str)
              else engine.render_chat(build_messages(it.problem)) for it in items]
     prompt_ids = [engine.encode(t) for t in texts]
@@ -154,50 +208,80 @@ def run_bench(*, model, dtype, backend, adapter="auto", max_new_tokens, temperat
     runs: list[dict] = []
     reference: dict[tuple[int, int], list[int]] = {}
 
-    def add(label, c, completions, stats, warm):
-        for it, comp in zip(items, completions):
+    def save() -> None:
+        # After every (method, concurrency) run, atomically: Ctrl-C keeps every finished run.
+        if json_out:
+            write_json(json_out, {"environment": env, "runs": runs, "metrics": metrics(records, runs),
+                                  "records": [asdict(r) for r in records]})
+
+    def add(label, c, completions, stats, warm, bucket, which, errors):
+        """Records of one run: completions[j] answers items[which[j]]; errors: {item: message}."""
+        for comp in completions:
+            i, it = which[comp.index], items[which[comp.index]]
             text = comp.text or ""
             correct = None if isinstance(it.problem, str) else score(it.problem, text)["correct"]
             if label == "ar":
-                reference[(c, comp.index)] = comp.token_ids
-            ref = reference.get((c, comp.index), reference.get((min(levels), comp.index)))
+                reference[(c, i)] = comp.token_ids
+            ref = reference.get((c, i), reference.get((min(levels), i)))
             rounds = comp.rounds if comp.rounds is not None else None
             records.append(Record(
                 it.bench, it.id, label, c, len(comp.prompt_ids), len(comp.token_ids), rounds,
                 comp.forwards, comp.tau if rounds else None, comp.latency_s, comp.ttft_s,
                 comp.finish_reason, correct, None if ref is None else ref == comp.token_ids, text,
-                list(comp.accept_lengths)))
-        runs.append({"method": label, "concurrency": c, "warmup_s": warm, **asdict(stats),
-                     "tokens_per_s": stats.tokens_per_s, "tokens_per_forward": stats.tokens_per_forward})
+                list(comp.accept_lengths), bucket))
+        for i, msg in errors.items():
+            records.append(Record(items[i].bench, items[i].id, label, c, len(prompt_ids[i]), 0, None,
+                                  None, None, 0.0, None, "error", None, None, "", None, bucket, msg))
+        if completions:
+            runs.append({"method": label, "concurrency": c, "batch_bucket": bucket, "warmup_s": warm,
+                         **asdict(stats), "tokens_per_s": stats.tokens_per_s,
+                         "tokens_per_forward": stats.tokens_per_forward, "errors": len(errors)})
+        save()
 
     for c in levels:
         for eng, tag in engines:
             for label, method, block in plan:
-                out, stats, warm = _run_one(eng, prompt_ids, params, label + tag, method, block, c,
-                                            console)
-                add(label + tag, c, out, stats, warm)
+                # A request that cannot run becomes an error row; the others still run.
+                errors = {i: why for i, ids in enumerate(prompt_ids)
+                          if (why := _too_long(eng, method, block, ids, params[i])) is not None}
+                which = [i for i in range(len(items)) if i not in errors]
+                out, stats, warm, bucket = [], None, 0.0, None
+                if which:
+                    try:
+                        out, stats, warm = _run_one(eng, [prompt_ids[i] for i in which],
+                                                    [params[i] for i in which], label + tag, method,
+                                                    block, c, console)
+                        # The GraphKey batch of a full round: C in flight, padded to a bucket.
+                        bucket = batch_bucket(min(c, len(which)))
+                    except FastspecError as e:       # the run as a whole failed: it is reported
+                        errors.update({i: str(e) for i in which})
+                add(label + tag, c, out, stats, warm, bucket, which, errors)
     if peer_names:
         from fastspec.evals.peers import run_hf_peers
+        which = [i for i, ids in enumerate(prompt_ids) if _too_long(engine, "ar", None, ids, base) is None]
         with console.status(f"peers {', '.join(peer_names)} (transformers, batch 1) ..."):
-            peer_runs = run_hf_peers(engine.loaded, prompt_ids, base, peer_names,
+            peer_runs = run_hf_peers(engine.loaded, [prompt_ids[i] for i in which], base, peer_names,
                                      log=lambda m: console.print(f"[yellow]{m}[/]"))
         for run in peer_runs:
-            add(run.name, 1, run.completions, run.stats, run.stats.warmup_s)
+            add(run.name, 1, run.completions, run.stats, run.stats.warmup_s, 1, which, {})
 
+    failed = [r for r in records if r.error]
+    if failed and len(failed) == len(records):
+        raise FastspecError(f"no request could run: {failed[0].error}")
     m = metrics(records, runs)
     print_report(console, m)
+    by_error: dict[str, list[str]] = {}
+    for r in failed:
+        by_error.setdefault(r.error, []).append(f"{r.bench}/{r.problem_id} {r.method} C={r.concurrency}")
+    for msg, where in by_error.items():
+        console.print(f"[yellow]could not run[/] ({len(where)}: {', '.join(where[:3])}"
+                      f"{', ...' if len(where) > 3 else ''}): {escape(msg)}", highlight=False, soft_wrap=True)
     warm = sum(r["warmup_s"] for r in runs)
     recompiles = sum(r.get("recompiles", 0) for r in runs)
     keys = sum(len(eng.runner.keys()) for eng, _ in engines)
-    console.print(f"steps: {keys} compiled/captured keys ({', '.join(backends)}), warm-up {warm:.1f} s "
+    console.print(f"steps: {keys} compiled/captured keys ({env['backend']}), warm-up {warm:.1f} s "
                   f"before timing; recompilations during timed runs: {recompiles}")
     if json_out:
-        os.makedirs(os.path.dirname(os.path.abspath(json_out)), exist_ok=True)
-        with open(json_out, "w") as f:
-            json.dump({"environment": {**environment(model, dtype, backend),
-                                       "adapter": getattr(engine.loaded, "adapter_path", None)},
-                       "runs": runs,
-                       "metrics": m, "records": [asdict(r) for r in records]}, f, indent=1)
         console.print(f"wrote {json_out}  (plots: fastspec bench --plot {json_out})")
     return m
 

@@ -6,16 +6,12 @@ memory-bandwidth floor, and the cost of multi-token forwards T(N)/T(1).
 """
 from __future__ import annotations
 
-import json
-import os
-import statistics
 import time
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from fastspec.layout import bidirectional_block, cache_mask, causal_block
 from fastspec.sampling import SamplingParams
 
 PROMPTS = [
@@ -31,17 +27,6 @@ PROMPTS = [
 ]
 
 
-def time_fn(fn, reps: int = 10, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def same_until_eos(ours: list[int], theirs: list[int], eos_ids) -> bool:
     """Token-for-token equality up to our first EOS: past it the runs differ by design (we
     ignore EOS to time a fixed length, HF's min_new_tokens bans it and picks another token)."""
@@ -50,11 +35,12 @@ def same_until_eos(ours: list[int], theirs: list[int], eos_ids) -> bool:
 
 
 def hf_model_from(loaded):
-    """A transformers LlamaForCausalLM holding exactly the engine's weights."""
+    """A transformers LlamaForCausalLM holding exactly the engine's weights, on its device."""
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg = loaded.cfg.to_hf()
     hf_cfg = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+    ref = next(loaded.model.parameters())
+    hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=ref.dtype).to(ref.device)
     sd = dict(loaded.model.hf_state_dict())
     if loaded.cfg.tie_word_embeddings:      # transformers 5 lists a tied head as missing otherwise
         sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
@@ -68,7 +54,7 @@ def hf_generate_tps(hf, tokenizer, prompts: list[str], new_tokens: int) -> tuple
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(hf.device)
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
               pad_token_id=tokenizer.pad_token_id)
     with torch.no_grad():
@@ -80,54 +66,46 @@ def hf_generate_tps(hf, tokenizer, prompts: list[str], new_tokens: int) -> tuple
     return new.numel() / dt, new.tolist()
 
 
-def forward_times(engine, batch: int, ns: list[int], context: int) -> dict:
-    """Median ms of one forward of N new tokens per row after `context` committed tokens."""
-    from fastspec.graphs.keys import GraphKey
-    cfg = engine.cfg
-    max_len = -(-(context + max(ns)) // 256) * 256
-    k = torch.zeros(cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-    v = torch.zeros_like(k)
-    lengths = torch.full((batch,), context)
-    slots = torch.arange(batch)
-    out = {}
-    for n in ns:
-        ids = torch.randint(0, cfg.vocab_size, (batch, n))
-        cols = lengths[:, None] + torch.arange(n)
-        for kind, block in (("causal", causal_block(n)), ("bidirectional", bidirectional_block(n))):
-            mask = cache_mask(lengths, block, max_len)
-            key = GraphKey(batch, n, kind)
-
-            def fwd():
-                return engine.runner.run(key, engine.model_forward, ids, cols, k, v, cols, mask, slots,
-                                         None, static=(2, 3))
-
-            t0 = time.perf_counter()
-            fwd()
-            compile_s = time.perf_counter() - t0
-            ms = time_fn(fwd) * 1e3
-            out[(n, kind)] = {"ms": ms, "first_call_s": compile_s}
-    return out
+def forward_times(loaded, batch: int, ns: list[int], context: int, backend: str = "auto") -> dict:
+    """{(n, layout): profile point} for one forward of n new tokens per row after `context`
+    committed tokens: `fastspec profile`'s own measurement (graphs/profile.measure_point)."""
+    from fastspec.graphs.profile import LAYOUTS, ensure_adapter, measure_point, runner_forward
+    ensure_adapter(loaded.model)
+    fwd = runner_forward(loaded.model, backend)
+    return {(n, layout): measure_point(fwd, loaded.model, batch, n, layout, context, reps=10)[0]
+            for n in ns for layout in LAYOUTS}
 
 
-def run_speed(*, model, new_tokens, batches, ns, context, hf, json_out, console: Console):
+def run_speed(*, model, new_tokens, batches, ns, context, hf, json_out, console: Console,
+              device="auto", dtype="auto", backend="auto", bandwidth_mib: int = 1024):
+    from fastspec.config import FastspecError
     from fastspec.engine import Engine
-    from fastspec.model.loader import load_model
+    from fastspec.files import check_writable, write_json
+    from fastspec.graphs.profile import (LAYOUTS, check_grid, measure_bandwidth, ran_backend,
+                                         run_environment)
+    from fastspec.model.loader import load_model, resolve_device
 
+    if new_tokens < 1:
+        raise FastspecError(f"--new-tokens must be >= 1, got {new_tokens}")
+    if json_out:
+        check_writable(json_out, "--json")
+    resolve_device(device)                     # a bad --device fails before the load
     torch.manual_seed(0)
-    loaded = load_model(model)
-    engine = Engine(loaded, backend="auto")
+    loaded = load_model(model, dtype=dtype, device=device)
+    check_grid(loaded.model, [1, 4], ns, LAYOUTS, [context], backend, 1)   # the T(N) table fits
+    engine = Engine(loaded, backend=backend)
     cfg = loaded.cfg
-    from fastspec.graphs.profile import measure_bandwidth
-    bw = measure_bandwidth() / 1e9
-    weight_bytes = cfg.weight_bytes(4)
+    env = run_environment(engine.device, engine.dtype, ran_backend(engine.runner, engine.device))
+    bw = measure_bandwidth(engine.device, mib=bandwidth_mib) / 1e9
+    weight_bytes = cfg.weight_bytes(engine.dtype.itemsize)
     floor_ms = weight_bytes / (bw * 1e9) * 1e3
-    console.print(f"model {model}: {weight_bytes / 1e6:.0f} MB of weights per step; read bandwidth "
-                  f"{bw:.1f} GB/s -> floor {floor_ms:.1f} ms/token at batch 1; "
-                  f"{torch.get_num_threads()} threads")
+    console.print(f"model {model} on {env['device']}, {env['dtype']}, backend {env['backend']}: "
+                  f"{weight_bytes / 1e6:.0f} MB of weights per step; read bandwidth {bw:.1f} GB/s -> "
+                  f"floor {floor_ms:.1f} ms/token at batch 1", highlight=False)
     hf_model = hf_model_from(loaded) if hf else None
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    result = {"model": model, "bandwidth_gbs": bw, "weight_bytes": weight_bytes, "floor_ms": floor_ms,
-              "threads": torch.get_num_threads(), "torch": torch.__version__, "generate": [], "forward": []}
+    result = {"model": model, "environment": env, "bandwidth_gbs": bw, "weight_bytes": weight_bytes,
+              "floor_ms": floor_ms, "generate": [], "forward": []}
 
     gen = Table(title=f"AR decoding, greedy, {new_tokens} new tokens")
     for col in ("batch", "fastspec tok/s", "ms/step", "% of floor", "HF generate tok/s", "speedup", "same tokens", "warm-up s"):
@@ -155,24 +133,22 @@ def run_speed(*, model, new_tokens, batches, ns, context, hf, json_out, console:
                     f"{warm:.1f}")
     console.print(gen)
 
-    fw = Table(title=f"one forward of N new tokens per row, context {context} — ms and T(N)/T(1)")
+    fw = Table(title=f"one forward of N new tokens per row, context {context} — ms and T(N)/T({ns[0]}) "
+                     f"(chain: causal, adapter off; draft: block-bidirectional, adapter on)")
     fw.add_column("batch", justify="right")
-    fw.add_column("mask")
+    fw.add_column("layout")
     for n in ns:
         fw.add_column(f"N={n}", justify="right")
     for b in (1, 4):
-        times = forward_times(engine, b, ns, context)
-        for kind in ("causal", "bidirectional"):
-            t1 = times[(ns[0], kind)]["ms"]
-            cells = [f"{times[(n, kind)]['ms']:.1f} ({times[(n, kind)]['ms'] / t1:.2f})" for n in ns]
-            fw.add_row(str(b), kind, *cells)
-            for n in ns:
-                result["forward"].append({"batch": b, "n": n, "mask": kind, **times[(n, kind)],
-                                          "ratio": times[(n, kind)]["ms"] / t1})
+        times = forward_times(loaded, b, ns, context, backend)
+        for layout in LAYOUTS:
+            t1 = times[(ns[0], layout)]["ms"]
+            cells = [f"{times[(n, layout)]['ms']:.1f} ({times[(n, layout)]['ms'] / t1:.2f})" for n in ns]
+            fw.add_row(str(b), layout, *cells)
+            result["forward"] += [{**times[(n, layout)], "ratio": times[(n, layout)]["ms"] / t1}
+                                  for n in ns]
     console.print(fw)
     if json_out:
-        os.makedirs(os.path.dirname(os.path.abspath(json_out)), exist_ok=True)
-        with open(json_out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(json_out, result)
         console.print(f"wrote {json_out}")
     return result

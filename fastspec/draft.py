@@ -4,6 +4,10 @@ LoRA on the attention projections plus a learned MASK embedding, switched on per
 model's `adapter_on` flag (draft tokens) and off for everything the verifier sees, so verification
 is exactly the base model. Stored as `adapter.safetensors` + `adapter_config.json` in a `draft/`
 folder beside (or inside) the checkpoint.
+
+The config records the adapter's drafting convention (`fastspec.convention`: token shift, seed
+attention, adapter at the seed, LoRA compute dtype); attaching an adapter sets
+`model.draft_convention`, which every method reads. A config without the field is fastspec's.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from fastspec.config import FastspecError
+from fastspec.convention import convention_from_dict
 from fastspec.model.llama import LlamaModel, LoRA
 
 ADAPTER_FILE = "adapter.safetensors"
@@ -28,13 +33,16 @@ class AdapterConfig:
     alpha: float = 64.0
     targets: tuple[str, ...] = ("q", "k", "v", "o")
     mask_token_id: int = -1          # -1: one past the vocab (a token no text can contain)
-    block_size: int = 16             # trained block size
+    block_size: int = 16             # largest trained block size
+    convention: dict | None = None   # DraftConvention fields (None: fastspec's)
     meta: dict = field(default_factory=dict)   # training recipe, data, steps: for provenance
 
 
 def attach_adapter(model: LlamaModel, cfg: AdapterConfig, seed: int = 0) -> LlamaModel:
-    """Add fresh LoRA modules (B = 0, so the adapter starts as the identity) and a MASK embedding."""
+    """Add fresh LoRA modules (B = 0, so the adapter starts as the identity) and a MASK embedding,
+    and set the model's drafting convention from the config."""
     mcfg = model.cfg
+    conv = convention_from_dict(cfg.convention)
     if cfg.mask_token_id < 0:
         cfg.mask_token_id = mcfg.vocab_size
     g = torch.Generator().manual_seed(seed)
@@ -46,18 +54,22 @@ def attach_adapter(model: LlamaModel, cfg: AdapterConfig, seed: int = 0) -> Llam
     if unknown:
         raise FastspecError(f"unknown adapter targets {sorted(unknown)} (choose among q, k, v, o)")
     ref = model.embed
+    fp32 = conv.lora_dtype == "fp32"
     for blk in model.layers:
         loras = nn.ModuleDict()
         for t in cfg.targets:
-            lora = LoRA(*dims[t], rank=cfg.rank, alpha=cfg.alpha)
+            lora = LoRA(*dims[t], rank=cfg.rank, alpha=cfg.alpha, fp32=fp32)
             with torch.no_grad():
                 lora.A.copy_(torch.randn(lora.A.shape, generator=g) / dims[t][0] ** 0.5)
             loras[t] = lora
-        blk.attn.lora = loras.to(ref.device, ref.dtype)
-    # The MASK embedding starts at the mean token embedding: a neutral "some token" input.
-    model.mask_embed = nn.Parameter(ref.detach().mean(0).clone())
+        blk.attn.lora = loras.to(ref.device, torch.float32 if fp32 else ref.dtype)
+    # The MASK embedding starts at the mean token embedding: a neutral "some token" input
+    # (summed in fp32 by chunks: a bf16 mean would upcast the whole vocabulary at once).
+    total = sum(chunk.float().sum(0) for chunk in ref.detach().split(4096))
+    model.mask_embed = nn.Parameter((total / ref.shape[0]).to(ref.dtype))
     model.mask_token_id = cfg.mask_token_id
     model.adapter_config = cfg
+    model.draft_convention = conv
     return model
 
 
@@ -87,7 +99,7 @@ def save_adapter(model: LlamaModel, directory: str) -> None:
         json.dump(asdict(cfg), f, indent=1)
 
 
-def load_adapter(model: LlamaModel, directory: str) -> AdapterConfig:
+def read_adapter(directory: str) -> tuple[AdapterConfig, dict[str, torch.Tensor]]:
     cfg_path, w_path = os.path.join(directory, CONFIG_FILE), os.path.join(directory, ADAPTER_FILE)
     if not (os.path.exists(cfg_path) and os.path.exists(w_path)):
         raise FastspecError(f"no draft adapter in {directory} (expected {CONFIG_FILE} and {ADAPTER_FILE})")
@@ -95,19 +107,31 @@ def load_adapter(model: LlamaModel, directory: str) -> AdapterConfig:
         with open(cfg_path) as f:
             raw = json.load(f)
         cfg = AdapterConfig(**{**raw, "targets": tuple(raw.get("targets", ("q", "k", "v", "o")))})
-        sd = load_file(w_path)
+        convention_from_dict(cfg.convention)            # a bad convention fails here, in one line
+        return cfg, load_file(w_path)
+    except FastspecError:
+        raise
     except Exception as e:  # corrupt file: one line for the user
         raise FastspecError(f"cannot read draft adapter in {directory}: {e}") from None
-    attach_adapter(model, cfg)
+
+
+def set_adapter_state(model: LlamaModel, sd: dict[str, torch.Tensor], where: str = "adapter") -> None:
+    """Copy `adapter_state`-named tensors into the model's attached adapter."""
     with torch.no_grad():
         try:
-            model.mask_embed.copy_(sd["mask_embed"].float())
+            model.mask_embed.copy_(sd["mask_embed"])
             for i, blk in enumerate(model.layers):
                 for t, lora in blk.attn.lora.items():
-                    lora.A.copy_(sd[f"layers.{i}.{t}.A"].float())
-                    lora.B.copy_(sd[f"layers.{i}.{t}.B"].float())
+                    lora.A.copy_(sd[f"layers.{i}.{t}.A"])
+                    lora.B.copy_(sd[f"layers.{i}.{t}.B"])
         except (KeyError, RuntimeError) as e:
-            raise FastspecError(f"draft adapter in {directory} does not fit this model: {e}") from None
+            raise FastspecError(f"draft adapter in {where} does not fit this model: {e}") from None
+
+
+def load_adapter(model: LlamaModel, directory: str) -> AdapterConfig:
+    cfg, sd = read_adapter(directory)
+    attach_adapter(model, cfg)
+    set_adapter_state(model, sd, directory)
     model.requires_grad_(False)
     return cfg
 

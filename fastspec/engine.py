@@ -16,13 +16,16 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence as Seq
 
 import torch
+import torch.nn.functional as F
 
 from fastspec.config import FastspecError
+from fastspec.convention import model_convention
 from fastspec.draft import has_adapter
 from fastspec.graphs.keys import GraphKey, batch_bucket
 from fastspec.graphs.runner import StepRunner
 from fastspec.kv_cache import KVCache
 from fastspec.methods import Method, RoundOutput, get_method
+from fastspec.methods.base import Plan, RunInfo
 from fastspec.layout import block_placement, cache_mask, causal_block
 from fastspec.sampling import SamplerState, SamplingParams, sample_tokens, sampling_mode
 
@@ -41,6 +44,9 @@ class Sequence:
     rounds: int = 0                 # decode rounds (AR: one token each)
     accept_lengths: list[int] = field(default_factory=list)   # tokens committed per round
     forwards: int = 0               # forwards this request took part in (prefill included)
+    block: int = 0                  # block size of its next round (the method's planner sets it)
+    host: list[int] = field(default_factory=list)     # its last round's host values (planner input)
+    state: dict = field(default_factory=dict)         # the method's host-side state for it
     t_submit: float = 0.0
     t_first: float = 0.0
     t_done: float = 0.0
@@ -120,23 +126,39 @@ class Scheduler:
 
 
 class Step:
-    """What a method's round sees inside one step: the batch's view of the KV cache, the sampler
+    """What a method's round sees inside one step: its rows' view of the KV cache, the sampler
     and the model forward. The whole round is traced as one function, so `forward` calls the
     model directly (no runner in between) and nothing here is committed: the engine's step
-    returns the new lengths."""
+    returns the new lengths.
+
+    Row r of the step is cache slot `slots[r]` with committed length `lengths[r]`. A forward of n
+    new tokens writes them at columns `lengths + 0..n-1`; their RoPE positions are those columns
+    unless `rel_positions` says otherwise (branch rows sit at columns after the verify row but
+    take the positions of the point they branch from):
+
+        verify s d1 d2 | branch a2 M M     columns L .. L+5, rel_positions [0 1 2 | 2 3 4]
+    """
 
     def __init__(self, model, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                 sampler: SamplerState, width: int):
-        self.model, self.k, self.v, self.lengths = model, k, v, lengths
+                 slots: torch.Tensor, sampler: SamplerState, width: int):
+        self.model, self.k, self.v, self.lengths, self.slots = model, k, v, lengths, slots
         self.sampler, self.width = sampler, width
         self.mask_token_id = model.mask_token_id
+        self.convention = model_convention(model)
+        self.max_position = model.rope_cos.shape[0] - 1
 
     def forward(self, ids: torch.Tensor, block_mask: torch.Tensor,
-                adapter_on: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [S, n, V] for n new tokens per slot, written after each slot's committed length.
-        block_mask [n, n] or [S, n, n] among the new tokens; adapter_on [S, n] or None."""
-        cols, mask, slots = block_placement(self.lengths, ids.shape[1], block_mask, self.k.shape[3])
-        return self.model(ids, cols, self.k, self.v, cols, mask, slots, adapter_on)
+                adapter_on: torch.Tensor | None = None,
+                rel_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [S, n, V] for n new tokens per row, written after each row's committed length.
+        block_mask [n, n] or [S, n, n] among the new tokens; adapter_on [S, n] or None;
+        rel_positions [n] or [S, n]: RoPE positions relative to the committed length."""
+        cols, mask, _ = block_placement(self.lengths, ids.shape[1], block_mask, self.k.shape[3])
+        pos = cols if rel_positions is None else self.lengths[:, None] + rel_positions
+        # Tokens past the RoPE table are speculative garbage no request can commit (the budget
+        # stops first); clamping keeps their lookup in range instead of a device assert.
+        pos = pos.clamp(max=self.max_position)
+        return self.model(ids, pos, self.k, self.v, cols, mask, self.slots, adapter_on)
 
 
 class Engine:
@@ -170,6 +192,11 @@ class Engine:
         self.name = getattr(loaded, "name", "this model")
         self.last_round: RoundOutput | None = None      # the latest round (draft statistics)
         self._methods: dict[tuple, Method] = {}
+        self.carry: dict[str, torch.Tensor] = {}
+        self._carry_specs: dict = {}
+        self.last_rounds: list = []
+        # Measured ms of each method's steps: {method key: {(rows, variant): EMA ms}}.
+        self.step_ms: dict[str, dict[tuple[int, str], float]] = {}
         self._round_fns: dict[tuple, Callable] = {}
 
     @property
@@ -198,37 +225,58 @@ class Engine:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return "\n".join(m["content"] for m in messages) + "\n"
 
-    def prepare(self, num_slots: int, need_len: int, method: Method | None = None) -> None:
-        """Allocate the KV cache and (re)build the decode forward for these static shapes."""
+    def prepare(self, concurrency: int, need_len: int, method: Method | None = None) -> None:
+        """Allocate the KV cache for `concurrency` requests in flight (plus one trash slot that
+        padded rows write into), the method's carried state, and warm its steps.
+        need_len: the longest prompt plus its token budget (speculative headroom is added here)."""
         if need_len > self.max_context:
             raise FastspecError(
                 f"prompt plus --max-new-tokens needs {need_len} positions but the context is "
                 f"{self.max_context}: shorten the prompt or lower --max-new-tokens")
-        max_len = min(-(-need_len // CTX_ALIGN) * CTX_ALIGN, self.max_context)
+        method = method or get_method("ar")
+        # Headroom: a round writes up to max_width speculative K/V after the committed length.
+        max_len = -(-(need_len + method.max_width()) // CTX_ALIGN) * CTX_ALIGN
+        num_slots = concurrency + 1
         c = self.cache
         if c is None or c.num_slots != num_slots or c.max_len < max_len:
             self.cache = KVCache(self.cfg, num_slots, max_len, self.dtype, self.device)
-        method = method or get_method("ar")
+        self.trash = num_slots - 1
+        sampled = self.sampler is not None and self.sampler.mode != "greedy"
+        self._carry_specs = method.carry_spec(self.cfg.vocab_size, sampled)
+        self.carry = {name: torch.full((num_slots, *spec.shape), spec.fill, dtype=spec.dtype,
+                                       device=self.device)
+                      for name, spec in self._carry_specs.items()}
         # Shapes the step depends on: warm each combination once, before any timing starts.
         mode = self.sampler.mode if self.sampler is not None else "greedy"
-        key = (num_slots, self.cache.max_len, method.name, method.max_block(), mode)
-        self.warmup_s = 0.0 if key in self._warm else self.warm_up(method)
+        key = (num_slots, self.cache.max_len, method.key_name(), id(method), mode)
+        self.warmup_s = 0.0 if key in self._warm else self.warm_up(method, concurrency)
         self._warm.add(key)
 
-    def warm_up(self, method: Method) -> float:
-        """Run one round on dummy slots so compilation happens before timing starts."""
+    def clear_slot(self, slot: int) -> None:
+        """A slot between requests: nothing committed, no carried state."""
+        self.cache.lengths[slot] = 0
+        for name, spec in self._carry_specs.items():
+            self.carry[name][slot] = spec.fill
+
+    def warm_up(self, method: Method, concurrency: int) -> float:
+        """Run one round of every plan the method can make, on dummy rows, so that compilation
+        happens before timing starts."""
         t0 = time.perf_counter()
-        S = self.cache.num_slots
         run_sampler = self.sampler
         # The same code path (GraphKey.sampling) as the run.
-        self.sampler = SamplerState(S, self.device, mode=run_sampler.mode if run_sampler else "greedy")
+        self.sampler = SamplerState(self.cache.num_slots, self.device,
+                                    mode=run_sampler.mode if run_sampler else "greedy")
         self.stats = RunStats()
         self.cache.lengths.fill_(1)
-        blocks = torch.full((S,), method.max_block(), dtype=torch.long, device=self.device)
-        # Distinct tensors: dynamo guards on aliasing, and the run never aliases seeds and flags.
-        seeds = torch.zeros(S, dtype=torch.long, device=self.device)
-        self.run_round(method, seeds, blocks, torch.zeros_like(seeds))
+        self.pending = torch.zeros(self.cache.num_slots, dtype=torch.long, device=self.device)
+        real = list(range(concurrency))
+        for plan in method.plans():
+            for _ in range(2):         # the first call compiles, the second is timed
+                self.run_group(method, plan, real, [plan.block] * len(real), concurrency)
+                self.cache.lengths.fill_(1)
         self.cache.lengths.zero_()
+        for name, spec in self._carry_specs.items():
+            self.carry[name].fill_(spec.fill)
         self.sampler = run_sampler
         return time.perf_counter() - t0
 
@@ -259,16 +307,18 @@ class Engine:
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, block_mask: torch.Tensor,
                 adapter_on: torch.Tensor | None = None, layout: str = "chain") -> torch.Tensor:
-        """One forward of n new tokens for every slot, written after each slot's committed length.
+        """One forward of n new tokens for slots 0..S-1 (S = ids.shape[0]), written after each
+        slot's committed length.
 
         ids [S, n]; block_mask [n, n] or [S, n, n] among the new tokens (the committed prefix is
         always visible); adapter_on [S, n]; layout names the branch shape for the GraphKey.
         Returns logits [S, n, V]. Nothing is committed.
         """
         c = self.cache
-        cols, mask, slots = block_placement(c.lengths, ids.shape[1], block_mask, c.max_len)
+        S = ids.shape[0]
+        cols, mask, slots = block_placement(c.lengths[:S], ids.shape[1], block_mask, c.max_len)
         self.stats.forwards += 1
-        key = GraphKey(c.num_slots, ids.shape[1], layout)
+        key = GraphKey(S, ids.shape[1], layout, method="forward")
         # The K/V caches (inputs 2, 3) are written in place: the runner uses them by address.
         return self.runner.run(key, self.model_forward, ids, cols, c.k, c.v, cols, mask, slots,
                                adapter_on, static=(2, 3))[0]
@@ -283,47 +333,76 @@ class Engine:
             self._methods[key] = get_method(name, **({} if block is None else {"block": block}))
         return self._methods[key]
 
-    def _round_fn(self, meth: Method, mode: str) -> Callable:
-        """The step of GraphKey(batch, width, meth.layout, mode): draft / verify forwards,
-        acceptance and the new committed lengths, as one function of tensors."""
-        key = (id(meth), mode)
+    def _round_fn(self, meth: Method, variant: str, mode: str, width: int) -> Callable:
+        """The step of one GraphKey: a round of `meth` (draft / verify forwards, acceptance, the
+        new committed lengths and carried state) for the rows `slots`, as one function of tensors.
+        Per-slot engine state comes in whole and is gathered here; the engine scatters the rows'
+        results back, so a step touches only its own slots."""
+        key = (id(meth), variant, mode, width)
         fn = self._round_fns.get(key)
         if fn is None:
-            model, width = self.model, meth.max_block()
+            model, names = self.model, list(self.carry)
 
-            def round_step(pending, blocks, active, lengths, k, v, *sampler_tensors):
-                sampler = SamplerState.view(sampler_tensors, mode)
-                out = meth.round(Step(model, k, v, lengths, sampler, width), pending, blocks)
+            def round_step(slots, active, blocks, pending, lengths, k, v, *state):
+                sampler = SamplerState.view(tuple(t[slots] for t in state[:5]), mode)
+                carry = {n: t[slots] for n, t in zip(names, state[5:])}
+                L = lengths[slots]
+                step = Step(model, k, v, L, slots, sampler, width)
+                out = meth.round(step, pending[slots], blocks, carry, variant)
                 # Commit by length: the seed and the accepted drafts (whose K/V the verify
                 # forward wrote) join the prefix; the last emitted token seeds the next round,
-                # and active rows move their random streams on.
-                new_lengths = lengths + out.n_emitted * active
+                # and active rows move their random streams on (padded rows: active 0).
+                new_lengths = L + out.n_emitted * active
                 new_counter = sampler.counter + active
                 next_pending = out.emitted.gather(1, (out.n_emitted - 1)[:, None])[:, 0]
-                extra = tuple(t for t in (out.draft_prob, out.draft_confidence, out.draft_margin)
+                host = out.host if out.host is not None else out.n_emitted[:, None] * 0
+                stats = tuple(t for t in (out.draft_prob, out.draft_confidence, out.draft_margin)
                               if t is not None)
                 return (out.emitted, out.n_emitted, out.n_drafted, new_lengths, new_counter,
-                        next_pending) + extra
+                        next_pending, host, *(out.carry[n] for n in names)) + stats
 
             fn = self._round_fns[key] = torch.no_grad()(round_step)
         return fn
 
-    def run_round(self, meth: Method, pending: torch.Tensor, blocks: torch.Tensor,
-                  active: torch.Tensor) -> tuple[RoundOutput, torch.Tensor]:
-        """One round for every slot through the runner (one compiled step / CUDA graph per key).
-        Commits the new lengths; returns the round's output and the next seeds."""
+    def run_group(self, meth: Method, plan: Plan, slots: list[int], blocks: list[int],
+                  concurrency: int) -> RoundOutput:
+        """One round for the requests in `slots` that share `plan`, as one keyed step (padded to
+        a batch bucket with trash rows). Commits their lengths, seeds, streams and carry."""
         c, s = self.cache, self.sampler
-        key = GraphKey(c.num_slots, meth.max_block(), meth.layout, s.mode)
-        # K/V (inputs 4, 5) are written in place: the runner uses them by address.
-        outs = self.runner.run(key, self._round_fn(meth, s.mode), pending, blocks, active,
-                               c.lengths, c.k, c.v, *s.tensors(), static=(4, 5))
-        emitted, n_emitted, n_drafted, lengths, counter, next_pending, *draft_stats = outs
-        c.lengths.copy_(lengths)
-        s.counter.copy_(counter)
-        self.stats.forwards += meth.forwards
-        out = RoundOutput(emitted, n_emitted, n_drafted, *draft_stats)
-        self.last_round = out
-        return out, next_pending
+        n = len(slots)
+        if meth.bucketing:
+            rows, width = batch_bucket(n), plan.block
+        else:    # one step for everyone: the widest block, the bucket of the whole batch
+            rows, width = batch_bucket(concurrency), meth.max_block()
+        pad = rows - n
+        dev = self.device
+        slot_t = torch.tensor(slots + [self.trash] * pad, device=dev)
+        active = torch.tensor([1] * n + [0] * pad, device=dev)
+        block_t = torch.tensor(blocks + [width] * pad, device=dev)
+        key = GraphKey(rows, width, meth.layout_name(plan.variant), s.mode, meth.key_name())
+        fn = self._round_fn(meth, plan.variant, s.mode, width)
+        compiles, t0 = self.runner.total_compiles(), time.perf_counter()
+        # K/V (inputs 5, 6) are written in place: the runner uses them by address.
+        outs = self.runner.run(key, fn, slot_t, active, block_t, self.pending, c.lengths, c.k, c.v,
+                               *s.tensors(), *self.carry.values(), static=(5, 6))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.runner.total_compiles() == compiles:   # measured step times feed the planners
+            ms = (time.perf_counter() - t0) * 1e3
+            times = self.step_ms.setdefault(meth.key_name(), {})
+            old = times.get((rows, plan.variant))
+            times[(rows, plan.variant)] = ms if old is None else 0.8 * old + 0.2 * ms
+        emitted, n_emitted, n_drafted, lengths, counter, next_pending, host = outs[:7]
+        ncarry = len(self.carry)
+        c.lengths.index_copy_(0, slot_t, lengths)
+        s.counter.index_copy_(0, slot_t, counter)
+        self.pending.index_copy_(0, slot_t, next_pending)
+        for t, new in zip(self.carry.values(), outs[7: 7 + ncarry]):
+            t.index_copy_(0, slot_t, new)
+        f = meth.forwards_for(plan.variant)
+        self.stats.forwards += f
+        return RoundOutput(emitted[:n], n_emitted[:n], n_drafted[:n],
+                           *(t[:n] for t in outs[7 + ncarry:]), host=host[:n])
 
     # --- the loop ---------------------------------------------------------------------------
     def generate(self, prompts: Seq[str | list[int]],
@@ -332,9 +411,9 @@ class Engine:
                  on_commit: Callable[[int, list[int], int], None] | None = None) -> list[Completion]:
         """Decode every prompt with `method` ("ar", "linear", ... or a Method instance).
 
-        `sampling` is one SamplingParams for all prompts or one per prompt. `on_commit(index,
-        new_token_ids, n_drafted)` streams tokens as rounds commit them; the first `n_drafted`
-        of them were accepted drafts.
+        At most `concurrency` requests are in flight. `sampling` is one SamplingParams for all
+        prompts or one per prompt. `on_commit(index, new_token_ids, n_drafted)` streams tokens as
+        rounds commit them; the first `n_drafted` of them were accepted drafts.
         """
         meth = self.method(method, block)
         if meth.needs_adapter and not has_adapter(self.model):
@@ -350,23 +429,25 @@ class Engine:
         seqs = [Sequence(i, self.encode(p), sp) for i, (p, sp) in enumerate(zip(prompts, per_request))]
         if not seqs:
             return []
-        num_slots = batch_bucket(min(concurrency, len(seqs)))
-        self.round_width = meth.max_block()
+        C = min(concurrency, len(seqs))
+        batch_bucket(C)                                  # a clear error past the largest bucket
+        self.round_width = meth.max_width()
         # The run's sampling code path is known up front: the warm-up compiles that step.
-        self.sampler = SamplerState(num_slots, self.device, mode=sampling_mode(per_request))
-        # Headroom: a round writes up to round_width speculative K/V after the committed length.
-        self.prepare(num_slots, max(len(s.prompt_ids) + s.params.max_new_tokens for s in seqs)
-                     + self.round_width, meth)
+        self.sampler = SamplerState(C + 1, self.device, mode=sampling_mode(per_request))
+        meth.begin(RunInfo(C, batch_bucket(C), set(self.eos_ids),
+                           self.step_ms.setdefault(meth.key_name(), {})))
+        self.prepare(C, max(len(s.prompt_ids) + s.params.max_new_tokens for s in seqs), meth)
         c = self.cache
         c.lengths.zero_()
-        compiles_after_warmup = self.runner.total_compiles()
+        compiles_before = self.runner.total_compiles()
+        compile_s_before = self.runner.total_compile_s()
         stats = self.stats = RunStats(requests=len(seqs))
-        sched = Scheduler(seqs, num_slots)
-        pending = torch.zeros(num_slots, dtype=torch.long, device=self.device)   # seeds
-        active = torch.zeros(num_slots, dtype=torch.long, device=self.device)    # 1 = slot decoding
-        blocks = torch.full((num_slots,), meth.max_block(), dtype=torch.long, device=self.device)
+        sched = Scheduler(seqs, C)
+        self.pending = torch.zeros(C + 1, dtype=torch.long, device=self.device)   # seeds
 
-        def commit(seq: Sequence, tokens: list[int], n_drafted: int, now: float) -> None:
+        def commit(seq: Sequence, tokens: list[int], n_drafted: int, now: float) -> int:
+            """Append what the request keeps (EOS and the token budget cut a round short);
+            returns how many tokens it kept."""
             for j, token in enumerate(tokens):
                 seq.output_ids.append(token)
                 if token in self.eos_ids and not seq.params.ignore_eos:
@@ -381,7 +462,8 @@ class Engine:
             if seq.finished:
                 seq.t_done = now
                 sched.retire(seq)
-                active[seq.slot] = 0
+                self.clear_slot(seq.slot)
+            return len(tokens)
 
         t_start = time.perf_counter()
         for s in seqs:
@@ -392,12 +474,12 @@ class Engine:
                 t0 = time.perf_counter()
                 slots = torch.tensor([s.slot for s in admitted], device=self.device)
                 for s in admitted:
+                    self.clear_slot(s.slot)
                     self.sampler.set(s.slot, s.params, s.index)
-                    blocks[s.slot] = meth.block_for(s)
+                    s.block = meth.block_for(s)
                 first = sample_tokens(self._prefill(admitted), self.sampler, slots)
                 self.sampler.counter[slots] += 1       # rounds draw fresh numbers
-                pending[slots] = first
-                active[slots] = 1
+                self.pending[slots] = first
                 stats.forwards += 1
                 now = time.perf_counter()
                 stats.prefill_s += now - t0
@@ -408,23 +490,45 @@ class Engine:
             if not sched.running:
                 continue
             t0 = time.perf_counter()
-            out, pending = self.run_round(meth, pending, blocks, active)
+            # The method's planner gives each request its next round; equal plans run together.
+            groups: dict[Plan, list[Sequence]] = {}
+            for seq in sched.running.values():
+                plan = meth.plan(seq)
+                seq.block = plan.block
+                groups.setdefault(plan if meth.bucketing else Plan(0, plan.variant), []).append(seq)
+            results = []
+            for plan, members in groups.items():
+                out = self.run_group(meth, plan, [q.slot for q in members],
+                                     [q.block for q in members], C)
+                results.append((plan, members, out))
+            self.last_round = results[0][2]
+            self.last_rounds = results
+            # One host read per round: every row's tokens, counts, accepted drafts, host values.
+            w = max(o.emitted.shape[1] for _, _, o in results)
+            rows = torch.cat([torch.cat([F.pad(o.emitted, (0, w - o.emitted.shape[1])),
+                                         o.n_emitted[:, None], o.n_drafted[:, None], o.host], 1)
+                              for _, _, o in results]).tolist()
             stats.rounds += 1
-            # One host read per round: every row's tokens, counts and accepted drafts.
-            w = out.emitted.shape[1]
-            host = torch.cat([out.emitted, out.n_emitted[:, None], out.n_drafted[:, None]], 1).tolist()
-            emitted = [r[:w] for r in host]
-            n_emitted, n_drafted = [r[w] for r in host], [r[w + 1] for r in host]
             now = time.perf_counter()
             stats.decode_s += now - t0
-            for slot, seq in list(sched.running.items()):
-                seq.rounds += 1
-                seq.forwards += meth.forwards
-                seq.accept_lengths.append(n_emitted[slot])
-                commit(seq, emitted[slot][: n_emitted[slot]], n_drafted[slot], now)
+            i = 0
+            for plan, members, out in results:
+                f = meth.forwards_for(plan.variant)
+                for seq in members:
+                    r = rows[i]
+                    i += 1
+                    n_emitted, n_drafted, seq.host = r[w], r[w + 1], r[w + 2:]
+                    seq.rounds += 1
+                    seq.forwards += f
+                    kept = commit(seq, r[:n_emitted], n_drafted, now)
+                    seq.accept_lengths.append(kept)
         stats.wall_s = time.perf_counter() - t_start
-        stats.warmup_s = self.warmup_s
-        stats.recompiles = self.runner.total_compiles() - compiles_after_warmup
+        # Steps compiled mid-run (a new bucket as requests drain) are warm-up, not decoding.
+        lazy_s = self.runner.total_compile_s() - compile_s_before
+        stats.wall_s -= lazy_s
+        stats.decode_s -= lazy_s
+        stats.warmup_s = self.warmup_s + lazy_s
+        stats.recompiles = self.runner.total_compiles() - compiles_before
         stats.new_tokens = sum(len(s.output_ids) for s in seqs)
         stats.request_forwards = sum(s.forwards for s in seqs)
         self.last_stats = stats

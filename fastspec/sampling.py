@@ -8,6 +8,7 @@ same probabilities feed lossless speculative sampling.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +26,9 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise FastspecError(f"--temperature must be >= 0, got {self.temperature}")
+        # "not in range" rather than "out of range": NaN fails every comparison, so it is rejected.
+        if not 0 <= self.temperature < math.inf:
+            raise FastspecError(f"--temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise FastspecError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -1,29 +1,22 @@
-"""Compiled forward for the engine: torch.compile (inductor, static shapes) + a packed skinny GEMM.
+"""fastspec's torch.compile backend for the CPU: inductor (static shapes) + a packed skinny GEMM.
 
-    fwd = compile_forward(model)            # same call signature as model.forward
-    logits = fwd(input_ids, positions, k_cache, v_cache, write_cols, mask, slots)
-
-What "compile" does (the fastest path measured on a 2-core AVX-512 CPU, fp32; see
-/tmp/perf_report.md of the investigation):
-  * dynamo captures model.forward once per input shape (dynamic=False, fullgraph);
+The StepRunner (graphs/runner.py) compiles every step with `_skinny_backend(_pack_model(model))`:
   * a small FX pass swaps every F.linear whose weight is a base-model weight (wqkv, wo, w_gate_up,
     w_down, the LM head) for `fastspec::skinny_linear` on a copy of that weight packed into
-    32-column panels (graphs/kernels.py); everything else (norms, RoPE, KV-cache writes, SDPA,
-    LoRA linears, embedding) is left to inductor, which fuses the pointwise work and writes the
-    KV cache in place;
-  * inductor compiles the result (its FX-graph cache lives under FASTSPEC_CACHE).
+    32-column panels (graphs/kernels.py); everything else (norms, RoPE, SDPA, LoRA linears,
+    embedding) is left to inductor, which fuses the pointwise work;
+  * K/V-cache writes become an in-place op that touches only the new columns;
+  * inductor compiles the result (its FX-graph cache lives under $FASTSPEC_CACHE/inductor).
 
-The packed copies are a snapshot taken in compile_forward (+~1x weight memory): call it after the
-weights are loaded, and again if base weights change. Draft-adapter weights (LoRA, MASK embedding)
-are not packed, so training them and calling the compiled forward stays consistent. The compiled
-forward always runs under no_grad (it is an inference path; train with the eager model).
-Without AVX-512 (or a C++ compiler) "compile" falls back to plain inductor.
+The packed copies are a snapshot (+~1x weight memory) taken when the runner first compiles: a
+runner must be rebuilt if base weights change. Draft-adapter weights (LoRA, MASK embedding) are
+not packed, so training them keeps the compiled step consistent. Without AVX-512 (or a C++
+compiler) the pass packs nothing and the step is plain inductor.
 """
 from __future__ import annotations
 
 import operator
 import os
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,8 +31,8 @@ PACKED_LAYER = ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down")
 
 def setup_inductor_cache() -> None:
     """Point inductor's on-disk caches at $FASTSPEC_CACHE/inductor (default ~/.cache/fastspec)."""
-    root = os.environ.get("FASTSPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fastspec")
-    path = os.path.join(root, "inductor")
+    from fastspec.files import cache_dir
+    path = str(cache_dir() / "inductor")
     os.makedirs(path, exist_ok=True)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", path)
     os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
@@ -150,31 +143,3 @@ def _skinny_backend(packed: dict[int, tuple[torch.Tensor, int]]):
         return run
 
     return backend
-
-
-def compile_forward(model: nn.Module, mode: str = "compile") -> Callable:
-    """A callable with model.forward's signature returning logits.
-
-    mode "eager": model.forward itself. "compile": packed skinny GEMMs + inductor (see module
-    doc). "inductor": the same without the skinny GEMM (inductor/MKL linears; the fallback).
-    K/V writes land in the caller's k_cache/v_cache in place, exactly as in eager.
-    """
-    if mode == "eager":
-        return model.forward
-    if mode not in ("compile", "inductor"):
-        raise ValueError(f"unknown compile mode {mode!r}")
-    setup_inductor_cache()
-    # One graph per (B, N) the engine uses; the default limit (8) would silently fall back to eager.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    torch._dynamo.config.accumulated_recompile_limit = max(
-        torch._dynamo.config.accumulated_recompile_limit, 256)
-    packed = _pack_model(model) if mode == "compile" and kernels.available() else {}
-    backend = _skinny_backend(packed)
-    compiled = torch.compile(model.forward, backend=backend, dynamic=False, fullgraph=True)
-
-    def forward(*args, **kwargs):
-        with torch.no_grad():
-            return compiled(*args, **kwargs)
-
-    forward.compiled = compiled  # type: ignore[attr-defined]
-    return forward

@@ -141,8 +141,8 @@ TORCH_LIBRARY_IMPL(fastspec, CPU, m) {
 
 
 def _build_dir() -> str:
-    root = os.environ.get("FASTSPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fastspec")
-    d = os.path.join(root, "extensions")
+    from fastspec.files import cache_dir
+    d = str(cache_dir() / "extensions")
     os.makedirs(d, exist_ok=True)
     return d
 

@@ -20,10 +20,12 @@ class GraphKey:
     block: int          # new tokens per row in the step's widest forward
     layout: str         # "ar", "chain", "linear", "overlap(corr=2,cont=1)", "tree(0,0,1,1)", ...
     sampling: str = "greedy"    # greedy | sample | filtered: the code a round's sampler needs
+    method: str = ""            # the method (and options) whose round this is: never shared
 
     def __str__(self) -> str:
         tail = "" if self.sampling == "greedy" else f" {self.sampling}"
-        return f"B{self.batch}×{self.block} {self.layout}{tail}"
+        head = f"{self.method} " if self.method and self.method != self.layout else ""
+        return f"{head}B{self.batch}×{self.block} {self.layout}{tail}"
 
 
 def batch_bucket(n: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> int:

@@ -33,11 +33,11 @@ import numpy as np
 import torch
 
 from fastspec.config import FastspecError, ModelConfig
+from fastspec.files import write_json
 from fastspec.graphs.roofline import Roofline, fit_roofline, forward_bytes, forward_flops
 from fastspec.layout import block_placement, causal_block
 
 LAYOUTS = ("chain", "draft")
-BACKENDS = ("compile", "inductor", "eager")
 FORMAT = 1
 
 
@@ -108,6 +108,21 @@ def device_name(device="cpu") -> str:
     return f"cpu {cpu} ({torch.get_num_threads()} threads)"
 
 
+def ran_backend(runner, device) -> str:
+    """The backend a StepRunner actually runs steps with on `device`: `auto` resolved, and a
+    cuda-graph runner fed CPU tensors falls back to compile (StepRunner._kind_for)."""
+    kind = runner.resolved
+    return "compile" if kind == "cuda-graph" and torch.device(device).type != "cuda" else kind
+
+
+def run_environment(device, dtype, backend: str) -> dict:
+    """What bench, speed and profile record about where they ran: the device's name (GPU model,
+    or CPU model and threads), the dtype, the backend that ran, torch and the host."""
+    return {"device": device_name(device), "dtype": str(dtype).replace("torch.", ""),
+            "backend": backend, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(), "python": platform.python_version()}
+
+
 def slug(text: str) -> str:
     text = re.sub(r"\((r|tm)\)|\bcpu @.*|\bprocessor\b", "", text.lower())
     text = re.sub(r"\(\d+ threads\)", "", text)
@@ -154,12 +169,7 @@ class Profile:
         return dataclasses.asdict(self)
 
     def save(self, path: str) -> str:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
-        os.replace(tmp, path)
-        return path
+        return write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str) -> "Profile":
@@ -231,8 +241,8 @@ def fit_points(cfg: ModelConfig, points: list[dict], peak_flops: float, bandwidt
 
 # --- measuring ------------------------------------------------------------------------------
 def _draft_mask(n: int, device) -> torch.Tensor:
-    from fastspec.methods.linear import draft_block_mask
-    return draft_block_mask(torch.tensor([n], device=device), n)[0]
+    from fastspec.convention import FASTSPEC, draft_block_mask
+    return draft_block_mask(FASTSPEC, torch.tensor([n], device=device), n)[0]
 
 
 def forward_inputs(cfg: ModelConfig, batch: int, block: int, layout: str, ctx: int,
@@ -257,23 +267,25 @@ def forward_inputs(cfg: ModelConfig, batch: int, block: int, layout: str, ctx: i
     return ids, cols, k, v, cols, mask, slots, adapter_on
 
 
-def runner_forward(model, backend: str) -> Callable:
+def runner_forward(model, backend: str = "auto", compiler=None) -> Callable:
     """Forwards through the engine's own StepRunner, one key per (batch, block, layout), so the
-    profile times exactly what the engine runs. `inductor` = plain inductor, no packed kernel."""
+    profile times exactly what the engine runs. compiler: the torch.compile backend under
+    compile / cuda-graph (None: fastspec's; tests pass "aot_eager"). `fwd.runner` is the runner."""
     from fastspec.graphs.keys import GraphKey
     from fastspec.graphs.runner import StepRunner
-    runner = StepRunner("eager" if backend == "eager" else "auto", model=model,
-                        compiler="inductor" if backend == "inductor" else None)
+    runner = StepRunner(backend, model=model, compiler=compiler)
 
     def fwd(ids, pos, k, v, cols, mask, slots, adapter_on):
         key = GraphKey(ids.shape[0], ids.shape[1], "chain" if adapter_on is None else "draft")
         return runner.run(key, model.forward, ids, pos, k, v, cols, mask, slots, adapter_on,
                           static=(2, 3))
+    fwd.runner = runner
     return fwd
 
 
 def time_forward(fwd: Callable, inputs: tuple, device: torch.device, reps: int) -> tuple[float, float, float]:
-    """(first-call seconds, median ms, min ms) of `reps` further calls after one warm-up call."""
+    """(first-call seconds, median ms, min ms) of `reps` further calls after one warm-up call.
+    The one way fastspec times a forward (`fastspec profile`, `fastspec speed`, gpu_check)."""
     with torch.no_grad():
         _sync(device)
         t0 = time.perf_counter()
@@ -291,7 +303,43 @@ def time_forward(fwd: Callable, inputs: tuple, device: torch.device, reps: int) 
     return first, statistics.median(times) * 1e3, min(times) * 1e3
 
 
-def _ensure_adapter(model) -> str:
+def measure_point(fwd: Callable, model, batch: int, block: int, layout: str, ctx: int,
+                  reps: int) -> tuple[dict, tuple]:
+    """One profile point (and its inputs): a forward of `block` new tokens in `batch` rows after
+    `ctx` committed tokens, timed with `time_forward`."""
+    p = next(model.parameters())
+    device = p.device
+    inputs = forward_inputs(model.cfg, batch, block, layout, ctx, device, p.dtype, model.mask_token_id)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    first, ms, ms_min = time_forward(fwd, inputs, device, reps)
+    point = {"batch": batch, "block": block, "layout": layout, "ctx": ctx, "ms": ms, "ms_min": ms_min,
+             "compile_s": max(first - ms / 1e3, 0.0), "peak_mem_mb": peak_memory_mb(device)}
+    return point, inputs
+
+
+def check_grid(model, batches, blocks, layouts, contexts, backend: str, reps: int) -> None:
+    """One-line errors for a profile grid the model cannot run, before anything is measured."""
+    from fastspec.graphs.runner import BACKENDS
+    if backend not in BACKENDS:
+        raise FastspecError(f"unknown backend {backend!r} (choose {', '.join(BACKENDS)})")
+    for name, vals in (("batch", batches), ("block", blocks), ("context", contexts)):
+        if not vals or any(int(v) < 1 for v in vals):
+            raise FastspecError(f"--{name} takes positive integers, got {vals}")
+    if reps < 1:
+        raise FastspecError(f"--reps must be >= 1, got {reps}")
+    bad = [l for l in layouts if l not in LAYOUTS]
+    if bad or not layouts:
+        raise FastspecError(f"unknown layout {', '.join(bad) or '(none)'} (choose {', '.join(LAYOUTS)})")
+    limit = model.rope_cos.shape[0]
+    if max(contexts) + max(blocks) > limit:
+        raise FastspecError(f"--context {max(contexts)} plus {max(blocks)} new tokens exceeds the "
+                            f"model's {limit} positions")
+
+
+def ensure_adapter(model) -> str:
+    """A draft layout needs an adapter: attach a fresh one (LoRA B = 0, same FLOPs as a trained
+    one) to a model without; says which it timed."""
     from fastspec.draft import AdapterConfig, attach_adapter, has_adapter
     if has_adapter(model):
         return "loaded"
@@ -303,44 +351,33 @@ def _ensure_adapter(model) -> str:
 
 def run_profile(loaded, batches: Iterable[int] = (1, 4), blocks: Iterable[int] = (1, 4, 8, 16, 32),
                 layouts: Iterable[str] = LAYOUTS, contexts: Iterable[int] = (256,),
-                backend: str = "compile", reps: int = 10, bandwidth_mib: int = 1024,
+                backend: str = "auto", reps: int = 10, bandwidth_mib: int = 1024,
                 gemm_n: int = 1024, trace: str | None = None,
                 on_point: Callable[[dict], None] | None = None,
-                checkpoint: str | None = None) -> Profile:
+                checkpoint: str | None = None, compiler=None) -> Profile:
     """Measure every (batch, block, layout, ctx) point and fit the roofline.
 
-    loaded: a LoadedModel. backend: compile | inductor | eager (graphs/compile.py modes). A draft
-    layout on a model without a draft adapter attaches a fresh one (same FLOPs as a trained one).
+    loaded: a LoadedModel. backend: a StepRunner backend (auto | cuda-graph | compile | eager);
+    the profile records the one that ran. A draft layout on a model without a draft adapter
+    attaches a fresh one (same FLOPs as a trained one).
     trace: write a torch.profiler Chrome trace of one forward per shape to this file.
     checkpoint: save the profile measured so far to this path after every point (an interrupted
     run keeps its points). `ms` is the median of `reps` timed calls, `ms_min` the fastest.
     """
     batches, blocks, layouts, contexts = (sorted(set(x)) for x in (batches, blocks, layouts, contexts))
-    if backend not in BACKENDS:
-        raise FastspecError(f"unknown backend {backend!r} (choose {', '.join(BACKENDS)})")
-    for name, vals in (("batch", batches), ("block", blocks), ("context", contexts)):
-        if not vals or any(int(v) < 1 for v in vals):
-            raise FastspecError(f"--{name} takes positive integers, got {vals}")
-    if reps < 1:
-        raise FastspecError(f"--reps must be >= 1, got {reps}")
-    bad = [l for l in layouts if l not in LAYOUTS]
-    if bad or not layouts:
-        raise FastspecError(f"unknown layout {', '.join(bad) or '(none)'} (choose {', '.join(LAYOUTS)})")
     model, cfg = loaded.model, loaded.cfg
-    limit = model.rope_cos.shape[0]
-    if max(contexts) + max(blocks) > limit:
-        raise FastspecError(f"--context {max(contexts)} plus --block {max(blocks)} exceeds the model's "
-                            f"{limit} positions")
+    check_grid(model, batches, blocks, layouts, contexts, backend, reps)
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     meta = {"threads": torch.get_num_threads(), "reps": reps,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if "draft" in layouts:
-        meta["adapter"] = _ensure_adapter(model)
+        meta["adapter"] = ensure_adapter(model)
     peak = measure_peak_flops(device, n=gemm_n)
     bw = measure_bandwidth(device, mib=bandwidth_mib)
     meta["microbench"] = {"gemm_n": gemm_n, "bandwidth_mib": bandwidth_mib}
-    fwd = runner_forward(model, backend)
+    fwd = runner_forward(model, backend, compiler)
+    ran = ran_backend(fwd.runner, device)
     bpp = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
     points, shapes = [], []
 
@@ -348,7 +385,7 @@ def run_profile(loaded, batches: Iterable[int] = (1, 4), blocks: Iterable[int] =
         fit = fit_points(cfg, points, peak, bw, bpp)
         return Profile(device=device_name(device), model=loaded.name,
                        dtype=str(dtype).replace("torch.", ""), torch=torch.__version__,
-                       backend=backend, config=_config_dict(cfg), points=list(points),
+                       backend=ran, config=_config_dict(cfg), points=list(points),
                        roofline=None if fit is None else fit.to_dict(), peak_flops=peak,
                        bandwidth=bw, bytes_per_param=bpp, meta=meta)
 
@@ -356,14 +393,7 @@ def run_profile(loaded, batches: Iterable[int] = (1, 4), blocks: Iterable[int] =
         for batch in batches:
             for block in blocks:
                 for layout in layouts:
-                    inputs = forward_inputs(cfg, batch, block, layout, ctx, device, dtype,
-                                            model.mask_token_id)
-                    if device.type == "cuda":
-                        torch.cuda.reset_peak_memory_stats(device)
-                    first, ms, ms_min = time_forward(fwd, inputs, device, reps)
-                    p = {"batch": batch, "block": block, "layout": layout, "ctx": ctx,
-                         "ms": ms, "ms_min": ms_min, "compile_s": max(first - ms / 1e3, 0.0),
-                         "peak_mem_mb": peak_memory_mb(device)}
+                    p, inputs = measure_point(fwd, model, batch, block, layout, ctx, reps)
                     points.append(p)
                     shapes.append((p, inputs))
                     if on_point is not None:

@@ -201,6 +201,10 @@ class StepRunner:
         """Compilations (and captures) so far, every key together."""
         return sum(s.compiles + s.captures for s in self._stats.values())
 
+    def total_compile_s(self) -> float:
+        """Seconds spent compiling (and capturing) so far, every key together."""
+        return sum(s.compile_s for s in self._stats.values())
+
     def keys(self) -> list[GraphKey]:
         """Keys with a live compiled step or graph, least recently used first."""
         return list(self._entries)

@@ -55,10 +55,13 @@ def test_bad_input_is_one_clear_line(args, needle):
 
 
 def test_corrupt_checkpoint_is_one_clear_line(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    (tmp_path / "model.safetensors").write_bytes(b"\x00garbage")
-    result, text = run("chat", "--model", str(tmp_path), "--prompt", "hi")
-    assert_one_line_error(result, text, "error")
+    """A complete config and a tensor file of garbage: the error comes from reading the tensors."""
+    from fastspec.model.llama import LlamaModel
+    from fastspec.model.loader import tiny_random_config, write_hf_checkpoint
+    d = write_hf_checkpoint(LlamaModel(tiny_random_config()).init_random(0), tmp_path / "m")
+    (d / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage" + b"\x00" * 64)
+    result, text = run("chat", "--model", str(d), "--prompt", "hi")
+    assert_one_line_error(result, text, "corrupt or truncated safetensors")
 
 
 def test_unsupported_architecture_is_one_clear_line(tmp_path):
@@ -67,16 +70,137 @@ def test_unsupported_architecture_is_one_clear_line(tmp_path):
     assert_one_line_error(result, text, "unsupported architecture")
 
 
-def test_bench_on_own_prompts_writes_json(tmp_path):
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": f"question {i}"}) for i in range(3)))
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory):
+    """A draft adapter for tiny-random whose LoRA is not the identity (drafts really differ)."""
+    import torch
+    from fastspec.draft import AdapterConfig, attach_adapter, save_adapter
+    from fastspec.model.loader import load_model
+    model = load_model("tiny-random", adapter=None).model
+    attach_adapter(model, AdapterConfig(rank=4))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for blk in model.layers:
+            for lora in blk.attn.lora.values():
+                lora.B.copy_(0.1 * torch.randn(lora.B.shape, generator=g))
+    d = tmp_path_factory.mktemp("adapter")
+    save_adapter(model, str(d))
+    return str(d)
+
+
+def write_prompts(path, texts):
+    path.write_text("\n".join(json.dumps({"prompt": t}) for t in texts))
+    return str(path)
+
+
+def bench_json(tmp_path, adapter, *args):
     out = tmp_path / "r.json"
-    result, text = run("bench", "--model", "tiny-random", "--backend", "eager", "--prompts", str(prompts),
-                       "--max-new-tokens", "4", "--concurrency", "1,2", "--json", str(out))
+    result, text = run("bench", "--model", "tiny-random", "--adapter", adapter, "--backend", "eager",
+                       "--max-new-tokens", "8", "--json", str(out), *args)
+    return result, text, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_bench_on_own_prompts_writes_json(tmp_path, adapter_dir):
+    prompts = write_prompts(tmp_path / "p.jsonl", [f"question {i}" for i in range(3)])
+    result, text, data = bench_json(tmp_path, adapter_dir, "--prompts", prompts, "--method", "ar,linear",
+                                    "--block", "4", "--concurrency", "1,3")
     assert result.exit_code == 0, text
+    assert "tiny-random on cpu" in text and "float32, backend eager" in text      # the header
+    assert {(r["method"], r["concurrency"], r["batch_bucket"]) for r in data["runs"]} == {
+        (m, c, b) for m in ("ar", "linear") for c, b in ((1, 1), (3, 4))}
+    assert len(data["records"]) == 12
+    assert {(r["concurrency"], r["batch_bucket"]) for r in data["records"]} == {(1, 1), (3, 4)}
+    linear = [r for r in data["records"] if r["method"] == "linear"]
+    # LinearSS against AR, token for token (greedy), with real drafting (≥ 2 tokens per round).
+    assert all(r["identical"] is True for r in linear)
+    assert lookup_tau(data, "linear") > 1.5 and lookup_tau(data, "ar") == 1.0
+    env = data["environment"]
+    assert env["device"].startswith("cpu") and env["dtype"] == "float32" and env["backend"] == "eager"
+    assert env["torch"] and env["adapter"] == adapter_dir
+
+
+def lookup_tau(data, method):
+    return next(r["tau"] for r in data["metrics"]["by_method"] if r["method"] == method)
+
+
+def test_identical_can_be_false(tmp_path, adapter_dir):
+    """Sampled LinearSS follows AR's law, not AR's tokens: the check must say so."""
+    prompts = write_prompts(tmp_path / "p.jsonl", [f"question {i}" for i in range(3)])
+    result, text, data = bench_json(tmp_path, adapter_dir, "--prompts", prompts, "--method", "ar,linear",
+                                    "--block", "4", "--temperature", "1")
+    assert result.exit_code == 0, text
+    same = [r["identical"] for r in data["records"] if r["method"] == "linear"]
+    assert False in same
+
+
+def test_a_request_that_cannot_run_is_an_error_row(tmp_path, adapter_dir):
+    # tiny-random has 512 positions and one token per byte: the second prompt cannot fit.
+    prompts = write_prompts(tmp_path / "p.jsonl", ["short one", "x" * 600, "short two"])
+    result, text, data = bench_json(tmp_path, adapter_dir, "--prompts", prompts, "--method", "ar,linear",
+                                    "--block", "4", "--concurrency", "2")
+    assert result.exit_code == 0, text
+    assert "could not run (1: prompts/1 linear C=2): prompt of 619 tokens plus 8 new tokens needs 631 " \
+           "positions but the context is 512" in text
+    errors = [r for r in data["records"] if r["error"]]
+    assert [(r["method"], r["problem_id"], r["finish_reason"]) for r in errors] == [
+        ("ar", "1", "error"), ("linear", "1", "error")]
+    ok = [r for r in data["records"] if not r["error"]]
+    assert len(ok) == 4 and all(r["new_tokens"] > 0 for r in ok)
+    assert all(r["errors"] == 1 for r in data["runs"])
+    assert all(r["errors"] == 1 and r["requests"] == 2 for r in data["metrics"]["by_method"])
+
+
+def test_ctrl_c_in_bench_keeps_every_finished_run(tmp_path, adapter_dir, monkeypatch):
+    from fastspec.evals import runner
+    real, calls = runner._run_one, []
+
+    def interrupt_second(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    monkeypatch.setattr(runner, "_run_one", interrupt_second)
+    prompts = write_prompts(tmp_path / "p.jsonl", ["a", "b"])
+    result, text, data = bench_json(tmp_path, adapter_dir, "--prompts", prompts, "--concurrency", "1,2")
+    assert result.exit_code == 130 and "every finished" in text
+    assert [(r["method"], r["concurrency"]) for r in data["runs"]] == [("ar", 1)]
+    assert len(data["records"]) == 2
+    assert not list(tmp_path.glob("r.json.tmp*"))          # written atomically: no temp file left
+
+
+def test_chat_reports_a_failed_turn_and_goes_on():
+    result = CliRunner().invoke(cli, ["chat", "--model", "tiny-random", "--backend", "eager",
+                                      "--max-new-tokens", "3"], input="x" * 600 + "\nhi\n\n")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.count("error: prompt plus --max-new-tokens needs") == 1
+    assert result.stderr.count("tok/s") == 1              # the second turn was answered
+
+
+def test_ctrl_c_in_chat_cancels_the_answer_not_the_conversation(monkeypatch):
+    from fastspec.engine import Engine
+    real, calls = Engine.generate, []
+
+    def cancel_first(self, prompts, *a, **k):
+        calls.append(prompts[0])
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(self, prompts, *a, **k)
+    monkeypatch.setattr(Engine, "generate", cancel_first)
+    result = CliRunner().invoke(cli, ["chat", "--model", "tiny-random", "--backend", "eager",
+                                      "--max-new-tokens", "3"], input="first\nsecond\n\n")
+    assert result.exit_code == 0, result.output
+    assert "(answer cancelled)" in result.stderr and result.stderr.count("tok/s") == 1
+    assert "first" not in calls[1] and "second" in calls[1]     # the cancelled turn left no trace
+
+
+def test_speed_records_where_it_ran(tmp_path):
+    out = tmp_path / "s.json"
+    result, text = run("speed", "--model", "tiny-random", "--backend", "eager", "--no-hf", "--batch", "1",
+                       "--new-tokens", "3", "--tokens-per-forward", "1,2", "--context", "8",
+                       "--bandwidth-mib", "8", "--json", str(out))
+    assert result.exit_code == 0, text
+    assert "on cpu" in text and "float32, backend eager" in text
     data = json.loads(out.read_text())
-    assert {r["concurrency"] for r in data["runs"]} == {1, 2}
-    assert data["metrics"]["by_method"][0]["tau"] is not None
-    assert len(data["records"]) == 6
-    assert all(r["identical"] for r in data["records"])
-    assert data["environment"]["torch"]
+    assert data["environment"]["backend"] == "eager" and data["environment"]["dtype"] == "float32"
+    assert {(r["batch"], r["block"], r["layout"]) for r in data["forward"]} == {
+        (b, n, lay) for b in (1, 4) for n in (1, 2) for lay in ("chain", "draft")}

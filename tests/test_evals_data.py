@@ -6,7 +6,7 @@ import pytest
 
 from fastspec.evals import data
 from fastspec.evals.data import DataNotFound, Problem, load_benchmark
-from fastspec.evals.prompts import build_messages, render_prompt
+from fastspec.evals.prompts import build_messages
 from fastspec.evals.suites import SUITES, UnknownBenchmark, display_name, resolve_benches
 
 REAL_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "benchmarks"
@@ -126,19 +126,6 @@ def test_prompts_and_rendering():
     assert "A) a\nB) b\nC) c\nD) d" in text and "answer is" in text
     math_msg = build_messages(Problem("gsm8k", "g", "1+1?", "2", {}))
     assert math_msg[0]["role"] == "user" and "\\boxed{}" in math_msg[0]["content"]
-
-    class Plain:
-        chat_template = None
-
-    class Chat:
-        chat_template = "{{ messages }}"
-
-        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
-            assert add_generation_prompt and not tokenize
-            return "<chat>" + messages[0]["content"]
-
-    assert render_prompt(Plain(), math_msg).startswith("1+1?")
-    assert render_prompt(Chat(), math_msg).startswith("<chat>1+1?")
 
 
 @pytest.mark.skipif(not REAL_DATA.is_dir(), reason="shared benchmark data not present")

@@ -9,7 +9,8 @@ from fastspec.draft import AdapterConfig, attach_adapter
 from fastspec.engine import Engine
 from fastspec.layout import cache_mask, causal_block
 from fastspec.graphs.keys import GraphKey
-from fastspec.methods.linear import BLOCK_SIZES, LinearSS, draft_block_mask
+from fastspec.convention import FASTSPEC, draft_block_mask
+from fastspec.methods.linear import BLOCK_SIZES, LinearSS
 from fastspec.sampling import SamplerState, SamplingParams, filtered_logprobs
 from fastspec.verify import accept_chain
 
@@ -32,7 +33,7 @@ def random_prompts(n, seed=0):
 
 def test_draft_mask_matches_hand_written_matrix():
     # Row 0: block 3 of width 4; row 1: full block of 4.
-    got = draft_block_mask(torch.tensor([3, 4]), 4).int()
+    got = draft_block_mask(FASTSPEC, torch.tensor([3, 4]), 4).int()
     want = torch.tensor([
         [[1, 0, 0, 0],      # seed: itself only (plus the prefix, added by cache_mask)
          [1, 1, 1, 0],      # masks: the seed and every mask of the block
@@ -66,7 +67,7 @@ def test_seed_prediction_is_exactly_the_verifier_next_token():
     engine.sampler = SamplerState(1)
     engine.cache.lengths.fill_(5)
     ids = torch.tensor([[7] + [engine.mask_token_id] * 7])
-    draft = engine.forward(ids, draft_block_mask(torch.tensor([8]), 8),
+    draft = engine.forward(ids, draft_block_mask(FASTSPEC, torch.tensor([8]), 8),
                            adapter_on=torch.arange(8)[None] > 0)
     verify = engine.forward(torch.tensor([[7, 1, 2, 3, 4, 5, 6, 8]]), causal_block(8))
     assert (draft[:, 0] - verify[:, 0]).abs().max() < 1e-5
@@ -132,8 +133,9 @@ def test_speculative_sampling_on_the_model_matches_exact_two_token_law():
 class PerRequestBlocks(LinearSS):
     """Each request its own block size from {4, 8, 16, 32}, all in one batch."""
 
-    def __init__(self):
+    def __init__(self, bucketing=False):
         super().__init__(block=32)
+        self.bucketing = bucketing
 
     def block_for(self, seq) -> int:
         return BLOCK_SIZES[seq.index % len(BLOCK_SIZES)]
@@ -148,4 +150,17 @@ def test_requests_with_different_block_sizes_share_one_batch_and_equal_ar():
     assert [c.token_ids for c in out] == [c.token_ids for c in ar]
     for c in out:        # a round commits at most the request's own block (seed + drafts)
         assert max(c.accept_lengths) <= BLOCK_SIZES[c.index % len(BLOCK_SIZES)]
-    assert engine.runner.stats()[GraphKey(8, 32, "linear")]["calls"] >= 2
+    assert engine.runner.stats()[GraphKey(8, 32, "linear", method="linear")]["calls"] >= 2
+
+
+def test_bucketed_block_sizes_run_in_their_own_steps_and_equal_ar():
+    """With bucketing, requests run in one step per block size over their own slots (nobody is
+    padded to the widest block), and the output is still AR's."""
+    engine = drafting_engine(seed=2)
+    prompts = random_prompts(8, seed=7)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    ar = engine.generate(prompts, params, method="ar", concurrency=8)
+    out = engine.generate(prompts, params, method=PerRequestBlocks(bucketing=True), concurrency=8)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    keys = {(k.batch, k.block) for k in engine.runner.stats() if k.method == "linear"}
+    assert {(2, 4), (2, 8), (2, 16), (2, 32)} <= keys      # two requests of each size per step

@@ -238,7 +238,18 @@ def test_hub_id_offline_is_one_line(monkeypatch):
     def offline(*a, **k):
         raise OSError("We couldn't connect to 'https://huggingface.co'\nsecond line")
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
-    assert "could not be downloaded from the Hugging Face Hub" in err("someone/some-model")
+    assert "could not be downloaded from the Hugging Face Hub" in err("hf:someone/some-model")
+
+
+def test_missing_relative_path_never_reaches_the_network(monkeypatch):
+    import huggingface_hub
+
+    def no_network(*a, **k):
+        raise AssertionError("a missing local path must not try the Hub")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_network)
+    assert "no such file or directory: checkpoints/llama (for a Hugging Face Hub model, write " \
+           "hf:checkpoints/llama)" in err("checkpoints/llama")
+    assert "no such file or directory" in err("./ckpt")
 
 
 def test_missing_default_model(monkeypatch, tmp_path):
@@ -263,3 +274,26 @@ def test_smollm2_matches_transformers():
     ours = native_logits(lm.model, ids)
     assert (ours - hf_logits(lm.path, ids)).abs().max() < 1e-3
     assert tok.decode(ours[0, -1].argmax()).strip()   # predicts some real token
+
+
+def test_rope_tables_cover_max_context(tmp_path):
+    from fastspec.model.loader import DEFAULT_MAX_CONTEXT
+    write_hf_checkpoint(tiny_model(max_position_embeddings=262144), tmp_path)
+    assert load_model(str(tmp_path)).model.rope_cos.shape[0] == DEFAULT_MAX_CONTEXT
+    m = load_model(str(tmp_path), max_context=100).model
+    assert m.rope_cos.shape == (100, 16) and m.rope_cos.dtype == torch.float32
+    assert load_model(str(tmp_path), dtype="bfloat16", max_context=50).model.rope_cos.dtype == torch.bfloat16
+
+
+@pytest.mark.slow
+def test_bf16_load_peak_memory_is_about_the_file_size(tmp_path):
+    """A random bf16 NLD-layout checkpoint (~200 MB) loads in a fresh process with a peak RSS
+    below 1.3x its files (the done-when of issue 10, at a size a test can afford)."""
+    from fastspec.model.nld import measure_load, write_random_nld
+    shapes = dict(hidden_size=1024, intermediate_size=3584, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=128, vocab_size=32768)
+    write_random_nld(tmp_path, layers=4, shapes=shapes)
+    r = measure_load(tmp_path, max_context=4096)
+    assert r["embed_dtype"] == "torch.bfloat16" and r["lora_dtype"] == "torch.float32"
+    assert r["convention"] == "nld" and r["rope_rows"] == 4096
+    assert r["load_peak_bytes"] <= 1.3 * r["file_bytes"], r

@@ -67,7 +67,7 @@ def check_compiled_round(drafter, backend, compiler, device, sampling, n):
             assert [c.accept_lengths for c in out] == [c.accept_lengths for c in ref]
             assert engine.last_stats.recompiles == 0      # the warm-up built every step it used
             stats = engine.runner.stats()
-            key = GraphKey(4 if n == 3 else 8, 4, "linear", sampling)
+            key = GraphKey(4 if n == 3 else 8, 4, "linear", sampling, "linear")
             assert key in stats
             if call == 0:
                 first = {k: dict(v) for k, v in stats.items()}
@@ -85,8 +85,8 @@ def test_a_round_is_one_step_per_key(drafter):
     out = engine.generate(prompts(2), SAMPLINGS["greedy"], method="linear", block=8, concurrency=2)
     stats = engine.runner.stats()
     rounds = max(c.rounds for c in out)
-    assert list(stats) == [GraphKey(2, 8, "linear")]
-    assert stats[GraphKey(2, 8, "linear")]["calls"] == rounds + 1          # + the warm-up round
+    assert list(stats) == [GraphKey(2, 8, "linear", method="linear")]
+    assert stats[GraphKey(2, 8, "linear", method="linear")]["calls"] == rounds + 1          # + the warm-up round
     assert engine.last_stats.forwards == 2 * rounds + 1                   # + one prefill
     # Draft statistics of the last round come back with it, one per draft position.
     last = engine.last_round
@@ -134,12 +134,40 @@ def test_inverse_cdf_sampling_follows_the_weights_and_never_draws_zero_weight():
 
 
 def test_gpu_check_script_dry_run_on_cpu(tmp_path):
-    """The H200 check's code path (graphs vs eager, profile JSON) on a tiny model on the CPU."""
+    """The GPU check's code path on a tiny model on the CPU: every method's whole round step,
+    compiled (torch.compile, aot_eager) per GraphKey, against eager; then the profile JSON."""
     from fastspec.graphs.gpu_check import main
     from fastspec.graphs.profile import Profile
     out = tmp_path / "p.json"
-    assert main(["--device", "cpu", "--tiny", "--blocks", "4", "--concurrency", "2", "--context", "8",
-                 "--reps", "1", "--backend", "eager", "--out", str(out)]) == 0
+    # Greedy, AR and LinearSS only, to keep it quick (the GPU run checks every method and both
+    # sampling modes by default; compiled sampled rounds are checked against eager above).
+    assert main(["--device", "cpu", "--tiny", "--methods", "ar,linear", "--blocks", "4", "--concurrency",
+                 "3", "--context", "12", "--new-tokens", "10", "--sampling", "greedy", "--reps", "1",
+                 "--compiler", "aot_eager", "--out", str(out)]) == 0
     prof = Profile.load(str(out))
-    assert {(p["batch"], p["block"], p["layout"]) for p in prof.points} == {(2, 4, "chain"), (2, 4, "draft")}
-    assert prof.meta["check"]["max_rel_err"] < 1e-4
+    assert {(p["batch"], p["block"], p["layout"]) for p in prof.points} == {(3, 4, "chain"), (3, 4, "draft")}
+    assert prof.backend == "compile"
+    rounds = prof.meta["check"]["rounds"]
+    assert {r["method"] for r in rounds} == {"ar", "linear"}
+    for r in rounds:      # compiled steps were built (not eager vs eager) and matched eager
+        assert r["ok"] and r["identical"] == 1.0 and r["steps"] >= 1 and r["kv_err"] < 1e-5, r
+        assert r["keys"], r
+
+
+def test_gpu_check_catches_a_wrong_step():
+    """A compiled step that swaps rows between slots must show up as a mismatch."""
+    from fastspec.graphs.gpu_check import TINY, check_rounds, random_model, random_prompts
+    from types import SimpleNamespace
+
+    def swap_rows(gm, example_inputs):
+        def run(*args):
+            outs = gm(*args)
+            return type(outs)(o.roll(1, 0) if isinstance(o, torch.Tensor) and o.dtype == torch.long
+                              and o.dim() == 1 else o for o in outs)
+        return run
+
+    model = random_model(TINY, "cpu", torch.float32)
+    loaded = SimpleNamespace(model=model, cfg=model.cfg, name="tiny", tokenizer=None, path=None)
+    prompts = random_prompts(3, 12, model.cfg.vocab_size)
+    r = check_rounds(loaded, "ar", None, prompts, SamplingParams(max_new_tokens=8), "compile", swap_rows)
+    assert r["steps"] >= 1 and r["identical"] < 1.0

@@ -9,7 +9,7 @@ from fastspec.graphs.keys import GraphKey, batch_bucket
 from fastspec.graphs.runner import StepRunner, pad_rows, pad_step, trash_slots
 from fastspec.kv_cache import KVCache
 from fastspec.layout import cache_mask, causal_block, tree_block, tree_layout_name
-from fastspec.methods.linear import draft_block_mask
+from fastspec.convention import FASTSPEC, draft_block_mask
 
 CUDA = torch.cuda.is_available()
 N = 4
@@ -60,7 +60,7 @@ def case(t, n: int, layout: str, device: str, seed: int = 0):
         pos, adapter_on = lengths[:, None] + depth, None
     else:                                      # LinearSS draft: seed + masks, per-row blocks
         blocks = torch.tensor([N, N - 1, 2, N, 3][:n])
-        block_mask = draft_block_mask(blocks, N)
+        block_mask = draft_block_mask(FASTSPEC, blocks, N)
         ids[:, 1:] = model.mask_token_id
         adapter_on = (torch.arange(N) > 0)[None, :].expand(n, N).contiguous()
     mask = cache_mask(lengths, block_mask, MAX_LEN)

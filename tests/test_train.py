@@ -8,8 +8,9 @@ from conftest import tiny_loaded
 from fastspec.draft import adapter_parameters, load_adapter
 from fastspec.layout import cache_mask, causal_block
 from fastspec.train.data import Example, build_targets, read_target_cache, training_prompts
-from fastspec.train.trainer import (DraftTrainer, TrainConfig, draft_block_mask, draft_logits,
-                                    draft_loss, make_batch, training_mask)
+from fastspec.convention import FASTSPEC, NLD, draft_adapter_flags, draft_block_mask
+from fastspec.train.trainer import (DraftTrainer, TrainConfig, draft_logits, draft_loss, make_batch,
+                                    training_mask)
 
 B = 4
 
@@ -24,7 +25,7 @@ def one_thread():
 
 
 def small_cfg(**kw):
-    base = dict(block=B, blocks_per_seq=3, seqs_per_step=2, rank=4, alpha=8.0, lr=1e-2,
+    base = dict(block_sizes=(B,), block_weights=(1.0,), blocks_per_seq=3, seqs_per_step=2, rank=4, alpha=8.0, lr=1e-2,
                 warmup_steps=1, minutes=10.0, partial_prob=0.3, log_every=1)
     return TrainConfig(**{**base, **kw})
 
@@ -53,24 +54,58 @@ def distilled(tmp_path_factory):
     return build_targets(loaded, prompts, 20, path, concurrency=4, progress=False), path, prompts
 
 
+def batch_of(starts, sizes, block=3, conv=FASTSPEC, length=12):
+    ex = Example([5], list(range(10, 10 + length)))
+    R = 1
+    K = len(starts)
+    return make_batch([ex], torch.tensor([starts]), torch.zeros(R, K, block, dtype=torch.bool), block,
+                      mask_id=512, sizes=torch.tensor([sizes]), conv=conv)
+
+
 def test_training_mask_matches_hand_written():
-    # Two blocks of 3 after 4 clean columns; starts 1 and 3.
-    got = training_mask(torch.tensor([[1, 3]]), 3, 4)
+    # Two blocks of 3 after the clean columns; starts 1 and 3 (only columns < 4 can be seen).
+    b = batch_of([1, 3], [3, 3])
+    assert b.clean_len == 6
+    got = training_mask(b)[0]
     want = torch.tensor([
-        # clean 0..3   | block 0  | block 1
-        [1, 0, 0, 0,    1, 0, 0,   0, 0, 0],   # seed of block 0 (s=1): prefix < 1 and itself
-        [1, 0, 0, 0,    1, 1, 1,   0, 0, 0],   # masks: prefix + the whole block
-        [1, 0, 0, 0,    1, 1, 1,   0, 0, 0],
-        [1, 1, 1, 0,    0, 0, 0,   1, 0, 0],   # seed of block 1 (s=3)
-        [1, 1, 1, 0,    0, 0, 0,   1, 1, 1],
-        [1, 1, 1, 0,    0, 0, 0,   1, 1, 1],
+        # clean 0..5          | block 0  | block 1
+        [1, 0, 0, 0, 0, 0,    1, 0, 0,   0, 0, 0],   # seed of block 0 (s=1): prefix < 1 and itself
+        [1, 0, 0, 0, 0, 0,    1, 1, 1,   0, 0, 0],   # masks: prefix + the whole block
+        [1, 0, 0, 0, 0, 0,    1, 1, 1,   0, 0, 0],
+        [1, 1, 1, 0, 0, 0,    0, 0, 0,   1, 0, 0],   # seed of block 1 (s=3)
+        [1, 1, 1, 0, 0, 0,    0, 0, 0,   1, 1, 1],
+        [1, 1, 1, 0, 0, 0,    0, 0, 0,   1, 1, 1],
     ], dtype=torch.bool)
-    assert torch.equal(got[0], want)
-    # Block 1 cut to size 2: its third position is padding that sees only itself.
-    got = training_mask(torch.tensor([[1, 3]]), 3, 4, sizes=torch.tensor([[3, 2]]))
-    want[3:, 7:] = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 0, 1]], dtype=torch.bool)
-    want[5, :4] = False
-    assert torch.equal(got[0], want)
+    assert torch.equal(got, want)
+    # Block 1 cut to size 2: packed right after block 0, no padding inside the row.
+    b = batch_of([1, 3], [3, 2])
+    assert b.tok_block.tolist() == [[0, 0, 0, 1, 1]] and b.tok_pos.tolist() == [[0, 1, 2, 0, 1]]
+    got = training_mask(b)[0]
+    assert got.shape == (5, 5 + 5)
+    keep = [0, 1, 2, 3, 4, 6, 7, 8, 9, 10]      # clean_len is now 5: drop column 5 and the last row
+    assert torch.equal(got, want[:5][:, keep])
+    # Rows of different total size: the shorter one is padded with tokens that see only themselves.
+    ex = Example([5], list(range(10, 22)))
+    b = make_batch([ex, ex], torch.tensor([[1, 3], [2, 4]]), torch.zeros(2, 2, 3, dtype=torch.bool), 3,
+                   512, sizes=torch.tensor([[3, 3], [2, 2]]))
+    assert b.tok_block[1].tolist() == [0, 0, 1, 1, -1, -1] and b.weights[1, 4:].tolist() == [0, 0]
+    m = training_mask(b)[1, :, b.clean_len:]
+    assert m[4].tolist() == [0, 0, 0, 0, 1, 0] and not m[:4, 4:].any()
+
+
+def test_training_mask_nld_convention():
+    """nld: the seed sees its whole block, the adapter is on at the seed, targets are unshifted."""
+    b = batch_of([1, 3], [3, 2], conv=NLD)
+    inner = training_mask(b)[0, :, b.clean_len:]
+    assert inner.int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 0, 0],
+                                    [0, 0, 0, 1, 1], [0, 0, 0, 1, 1]]
+    from fastspec.train.trainer import training_adapter_flags
+    assert training_adapter_flags(b).all()
+    assert not training_adapter_flags(batch_of([1, 3], [3, 2]))[0, [0, 3]].any()
+    # ids: prompt [5] then 10, 11, ... -> the token at sequence position p is 9 + p.
+    assert b.targets.tolist() == [[-100, 11, 12, -100, 13]]              # x_{s+i}
+    fs = batch_of([1, 3], [3, 2])
+    assert fs.targets.tolist() == [[-100, 12, 13, -100, 14]]             # x_{s+i+1}
 
 
 def test_make_batch_targets_and_partial_masking():
@@ -91,48 +126,74 @@ def test_make_batch_targets_and_partial_masking():
     # A block of size 3 inside B = 4: its last position (i = 2) is now the block's end.
     b = make_batch([ex], torch.tensor([[5]]), torch.zeros(1, 1, B, dtype=torch.bool), B, 512,
                    sizes=torch.tensor([[3]]))
-    assert b.targets.tolist() == [[-100, 102, 103, -100]]
-    assert b.weights.tolist() == [[0, 1, 1, 0]]
+    assert b.targets.tolist() == [[-100, 102, 103]]
+    assert b.weights.tolist() == [[0, 1, 1]]
+    # nld (unshifted): position i's target is the token at s + i, counted where the input is MASK.
+    b = make_batch([ex], starts, keep, B, mask_id=512, pos_decay=0.5, conv=NLD)
+    assert b.targets.tolist() == [[-100, 101, -100, 103, -100, 108, 109, -100]]
+    assert b.weights.tolist() == [[0, 1, 0, 0.25, 0, 1, 0.5, 0]]
 
 
+def inference_draft_logits(model, ids, s, size, conv, mask_id):
+    """The engine's draft forward for a round whose committed prefix is ids[:s]: prefill, then
+    the block [x_s, MASK x (size-1)] laid out by the convention."""
+    cfg = model.cfg
+    k = torch.zeros(cfg.num_layers, 1, cfg.num_kv_heads, 128, cfg.head_dim)
+    v = torch.zeros_like(k)
+    slot = torch.zeros(1, dtype=torch.long)
+    cols = torch.arange(s)[None]
+    with torch.no_grad():
+        model(torch.tensor([ids[:s]]), cols, k, v, cols, cache_mask(slot, causal_block(s), s), slot)
+        block = torch.tensor([[ids[s]] + [mask_id] * (size - 1)])
+        cols = torch.arange(s, s + size)[None]
+        mask = cache_mask(torch.tensor([s]), draft_block_mask(conv, torch.tensor([size]), size), s + size)
+        return model(block, cols, k, v, cols, mask, slot,
+                     adapter_on=draft_adapter_flags(conv, 1, size))[0]
+
+
+@pytest.mark.parametrize("conv", [FASTSPEC, NLD], ids=["fastspec", "nld"])
 @pytest.mark.parametrize("starts,sizes", [([9], [4]), ([6, 13, 9], [4, 2, 3])])
-def test_training_block_forward_equals_inference_layout(starts, sizes):
-    """Each training block reproduces the engine's LinearSS draft forward (same mask function)."""
-    from fastspec.methods.linear import draft_block_mask as linear_block_mask
+def test_training_block_forward_equals_inference_layout(starts, sizes, conv):
+    """Each packed training block reproduces the engine's draft forward (the convention's mask and
+    adapter flags)."""
     loaded = tiny_loaded()
     model = loaded.model
-    tr = DraftTrainer(model, random_examples(1), small_cfg())
+    tr = DraftTrainer(model, random_examples(1), small_cfg(convention=conv.name))
+    assert model.draft_convention == conv
     perturb_adapter(model)
     ex = tr.examples[0]
     K = len(starts)
     b = make_batch([ex], torch.tensor([starts]), torch.zeros(1, K, B, dtype=torch.bool), B,
-                   tr.mask_id, sizes=torch.tensor([sizes]))
+                   tr.mask_id, sizes=torch.tensor([sizes]), conv=conv)
     with torch.no_grad():
-        train_logits = draft_logits(model, b)[0].view(K, B, -1)
-    cfg = model.cfg
-    for j, (s, size) in enumerate(zip(starts, sizes)):
-        # Inference: prefill the committed prefix (ids < s), then the draft block at s..s+B-1.
-        k = torch.zeros(cfg.num_layers, 1, cfg.num_kv_heads, 64, cfg.head_dim)
-        v = torch.zeros_like(k)
-        slot = torch.zeros(1, dtype=torch.long)
-        pre = torch.tensor([ex.ids[:s]])
-        cols = torch.arange(s)[None]
-        with torch.no_grad():
-            model(pre, cols, k, v, cols, cache_mask(slot, causal_block(s), s), slot)
-            block = torch.tensor([[ex.ids[s]] + [tr.mask_id] * (B - 1)])
-            cols = torch.arange(s, s + B)[None]
-            mask = cache_mask(torch.tensor([s]), linear_block_mask(torch.tensor([size]), B), s + B)
-            on = torch.tensor([[False] + [True] * (B - 1)])
-            ref = model(block, cols, k, v, cols, mask, slot, adapter_on=on)[0]
-        assert (train_logits[j, :size] - ref[:size]).abs().max() < 1e-5
-        if size == B:
-            assert torch.equal(linear_block_mask(torch.tensor([B]), B)[0], draft_block_mask(B))
-        # The seed's output is the base model's own next-token distribution.
-        with torch.no_grad():
-            full = torch.tensor([ex.ids[: s + 1]])
-            c = torch.arange(s + 1)[None]
-            base = model(full, c, k, v, c, cache_mask(slot, causal_block(s + 1), s + 1), slot)[0, -1]
-        assert (train_logits[j, 0] - base).abs().max() < 1e-5
+        train_logits = draft_logits(model, b)[0]
+    for j, (s, size, o) in enumerate(zip(starts, sizes, b.offsets[0].tolist())):
+        ref = inference_draft_logits(model, ex.ids, s, size, conv, tr.mask_id)
+        assert (train_logits[o: o + size] - ref).abs().max() < 1e-5
+        if conv.shift:
+            # The seed's output is the base model's own next-token distribution.
+            k = torch.zeros(model.cfg.num_layers, 1, model.cfg.num_kv_heads, 64, model.cfg.head_dim)
+            slot = torch.zeros(1, dtype=torch.long)
+            with torch.no_grad():
+                c = torch.arange(s + 1)[None]
+                base = model(torch.tensor([ex.ids[: s + 1]]), c, k, k.clone(), c,
+                             cache_mask(slot, causal_block(s + 1), s + 1), slot)[0, -1]
+            assert (train_logits[o] - base).abs().max() < 1e-5
+
+
+def test_block_size_mixture_is_sampled_by_weight():
+    examples = random_examples(4, target=80)
+    cfg = small_cfg(block_sizes=(4, 8, 16, 32), block_weights=(0.1, 0.2, 0.3, 0.4), blocks_per_seq=50)
+    tr = DraftTrainer(tiny_loaded().model, examples, cfg)
+    sizes = torch.cat([tr.sample_batch().sizes.view(-1) for _ in range(10)])   # 2000 blocks
+    share = [(sizes == b).float().mean().item() for b in (4, 8, 16, 32)]
+    assert all(abs(s - w) < 0.04 for s, w in zip(share, (0.1, 0.2, 0.3, 0.4))), share
+    assert tr.adapter_cfg.block_size == 32
+    b = tr.sample_batch()
+    assert b.block_ids.shape[1] == int(b.sizes.sum(1).max())              # packed, no wide padding
+    assert int((b.starts + b.sizes).max()) <= tr.max_position
+    _, m = draft_loss(tr.model, b)
+    assert {"tau_b4", "tau_b32"} <= set(m)
 
 
 def test_gradient_reaches_lora_through_cached_kv():
@@ -224,6 +285,9 @@ def test_train_loop_logs_and_resumes(tmp_path):
     s = t.train(progress=False)
     assert s["steps"] == 3 and not s["resumed"]
     rows = [json.loads(l) for l in log.read_text().splitlines()]
+    assert rows[0]["event"] == "start" and rows[0]["step"] == 0
+    assert rows[0]["convention"] == FASTSPEC.to_dict() and rows[0]["recipe"]["block_sizes"] == [B]
+    rows = rows[1:]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[-1]["target_tokens"] == t.target_tokens and all("loss" in r for r in rows)
     assert (tmp_path / "d" / "adapter.safetensors").is_file()
@@ -231,7 +295,9 @@ def test_train_loop_logs_and_resumes(tmp_path):
                       ckpt_dir=tmp_path / "ck", log_path=log)
     s2 = t2.train(progress=False)
     assert s2["resumed"] and s2["steps"] == 5 and s2["run_steps"] == 2
-    assert [json.loads(l)["step"] for l in log.read_text().splitlines()] == [1, 2, 3, 4, 5]
+    rows = [json.loads(l) for l in log.read_text().splitlines()]
+    assert [(r["step"], r.get("event")) for r in rows] == [
+        (0, "start"), (1, None), (2, None), (3, None), (3, "resume"), (4, None), (5, None)]
 
 
 def test_targets_are_greedy_and_cached(distilled, monkeypatch):
@@ -274,25 +340,131 @@ def test_general_prompts_are_not_benchmark_items():
     assert not [p for p in GENERAL_PROMPTS if p[:60] in text]
 
 
+def write_jsonl(path, field, texts):
+    path.write_text("".join(json.dumps({field: t}) + "\n" for t in texts))
+    return path
+
+
+def test_mixture_sampling_respects_weights(tmp_path):
+    from fastspec.train.data import mixture_prompts, parse_mixture
+    a = write_jsonl(tmp_path / "a.jsonl", "question", [f"What is {i} + {i}?" for i in range(500)])
+    b = write_jsonl(tmp_path / "b.jsonl", "prompt", [f"Write code number {i}." for i in range(500)])
+    c = write_jsonl(tmp_path / "c.jsonl", "prompt", [f"Tell me fact {i}." for i in range(40)])
+    srcs = parse_mixture(f"{a}:0.5,{b}:0.3,{c}:0.2")
+    assert [s.weight for s in srcs] == [0.5, 0.3, 0.2] and parse_mixture(str(a))[0].weight == 1.0
+    ps, rec = mixture_prompts(srcs, 100, seed=0)
+    assert [r["prompts"] for r in rec] == [50, 30, 20] and len(set(ps)) == 100
+    # Questions get the math instruction; prompts come as written.
+    assert sum(p.startswith("What is") and p.endswith("\\boxed{}.") for p in ps) == 50
+    assert sum(p.startswith("Write code") for p in ps) == 30
+    # Every prefix keeps the mixture (an interrupted generation has all three kinds).
+    head = ps[:10]
+    assert [sum(p.startswith(k) for p in head) for k in ("What", "Write", "Tell")] == [5, 3, 2]
+    # A source smaller than its share gives what it has; the rest goes to the others by weight.
+    ps, rec = mixture_prompts(srcs, 400, seed=0)
+    assert [r["prompts"] for r in rec] == [225, 135, 40] and len(ps) == 400
+    assert mixture_prompts(srcs, 100, seed=1)[0] != mixture_prompts(srcs, 100, seed=0)[0]
+
+
+def test_benchmark_data_is_refused(tmp_path, monkeypatch):
+    from fastspec.config import FastspecError
+    from fastspec.train.data import benchmark_dirs, load_questions, mixture_prompts, parse_mixture
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    f = write_jsonl(bench / "gsm8k.jsonl", "question", ["What is 1 + 1?"])
+    monkeypatch.setenv("FASTSPEC_DATA", str(bench))
+    with pytest.raises(FastspecError, match="refusing to train on .*benchmark"):
+        load_questions(f)
+    with pytest.raises(FastspecError, match="refusing"):           # also via a relative path
+        monkeypatch.chdir(tmp_path)
+        mixture_prompts(parse_mixture("bench/../bench/gsm8k.jsonl:1"), 5)
+    # The shared benchmark folder is refused even when FASTSPEC_DATA points elsewhere.
+    from pathlib import Path
+    shared = (Path(__file__).resolve().parents[1] / "../shared/data/benchmarks").resolve()
+    assert shared in benchmark_dirs()
+    if (shared / "gsm8k.jsonl").is_file():
+        with pytest.raises(FastspecError, match="refusing"):
+            load_questions(shared / "gsm8k.jsonl")
+    ok = write_jsonl(tmp_path / "train.jsonl", "prompt", ["Say hi."])
+    assert load_questions(ok) == ["Say hi."]
+
+
+def test_warm_start_from_a_saved_adapter(tmp_path):
+    examples = random_examples(3)
+    a = DraftTrainer(tiny_loaded().model, examples, small_cfg(), out_dir=tmp_path / "a")
+    a.train_step()
+    a.save_adapter()
+    b = DraftTrainer(tiny_loaded().model, examples, small_cfg(seed=5), init_adapter=tmp_path / "a")
+    for pa, pb in zip(a.params, b.params):
+        assert torch.equal(pa.half().float(), pb)                  # fp16 on disk
+    assert b.meta["init_adapter"] == str(tmp_path / "a")
+    from fastspec.config import FastspecError
+    with pytest.raises(FastspecError, match="rank"):
+        DraftTrainer(tiny_loaded().model, examples, small_cfg(rank=8), init_adapter=tmp_path / "a")
+
+
 def test_train_drafter_command_end_to_end(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
     from fastspec.cli.train import train_drafter
     monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path / "cache"))
-    data = tmp_path / "q.jsonl"
-    data.write_text(json.dumps({"question": "What is 2 + 3?"}) + "\n")
+    q = write_jsonl(tmp_path / "q.jsonl", "question", ["What is 2 + 3?", "What is 4 * 4?"])
+    g = write_jsonl(tmp_path / "g.jsonl", "prompt", ["Say hello.", "Name a color.", "Count to 3."])
     out = tmp_path / "draft"
-    args = ["--model", "tiny-random", "--out", str(out), "--data", str(data), "--max-prompts", "3",
-            "--target-tokens", "12", "--block", "4", "--blocks-per-seq", "2", "--seqs-per-step", "2",
-            "--rank", "4", "--max-steps", "2", "--gen-concurrency", "2", "--device", "cpu"]
+    args = ["--model", "tiny-random", "--out", str(out), "--train-data", f"{q}:0.4,{g}:0.6",
+            "--max-prompts", "4", "--target-tokens", "12", "--blocks", "4:1,8:1",
+            "--blocks-per-seq", "2", "--seqs-per-step", "2", "--rank", "4", "--threads", "1",
+            "--max-steps", "2", "--gen-concurrency", "2", "--gen-backend", "eager", "--device", "cpu"]
     r = CliRunner().invoke(train_drafter, args)
     assert r.exit_code == 0, r.output
     assert "fastspec train-drafter --model tiny-random" in r.output
     assert (out / "adapter.safetensors").is_file() and (out / "train_log.jsonl").is_file()
     assert len(list((tmp_path / "cache" / "train_targets").glob("*.jsonl"))) == 1
     assert len(list((tmp_path / "cache" / "train").glob("*/checkpoint.safetensors"))) == 1
+    # The written config reproduces the run: its command parses back to the same settings.
+    conf = json.loads((out / "adapter_config.json").read_text())
+    meta = conf["meta"]
+    assert conf["convention"] == FASTSPEC.to_dict() and conf["block_size"] == 8
+    assert meta["steps"] == 2 and meta["target_tokens"] > 0 and meta["prompts"] == 4
+    assert [(d["path"], d["weight"], d["prompts"]) for d in meta["data"]] == [(str(q), 0.4, 2), (str(g), 0.6, 2)]
+    import shlex
+
+    from fastspec.cli.train import train_config
+    argv = shlex.split(meta["command"])
+    assert argv[:2] == ["fastspec", "train-drafter"]
+    params = train_drafter.make_context("train-drafter", argv[2:]).params
+    from dataclasses import asdict
+    again = {k: v for k, v in asdict(train_config(params)).items() if k not in ("log_every", "ckpt_every_s")}
+    assert json.loads(json.dumps(again)) == meta["recipe"]
+    assert meta["recipe"]["block_sizes"] == [4, 8] and meta["recipe"]["max_steps"] == 2
+    assert params["train_data"] == f"{q}:0.4,{g}:0.6" and params["max_prompts"] == 4
+    start = json.loads((out / "train_log.jsonl").read_text().splitlines()[0])
+    assert start["command"] == meta["command"] and start["data"] == meta["data"]
+    assert start["convention"] == conf["convention"]
     # Resume to a larger step count; bad options are one-line errors.
-    r = CliRunner().invoke(train_drafter, args[:-6] + ["--max-steps", "3", "--device", "cpu"])
+    r = CliRunner().invoke(train_drafter, args[:-8] + ["--max-steps", "3", "--gen-backend", "eager"])
     assert r.exit_code == 0 and "resumed" in r.output, r.output
+    assert json.loads((out / "adapter_config.json").read_text())["meta"]["steps"] == 3
     r = CliRunner().invoke(train_drafter, args + ["--targets", "q,x"])
     assert r.exit_code == 1 and r.output.count("\n") == 1 and "error:" in r.output
+    r = CliRunner().invoke(train_drafter, args[:-8] + ["--max-steps", "4", "--gen-backend", "eager", "--convention", "nld"])
+    assert r.exit_code == 1 and "convention" in r.output, r.output      # not the checkpoint's
+
+
+def test_train_drafter_nld_convention_writes_its_convention(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from fastspec.cli.train import train_drafter
+    monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path / "cache"))
+    g = write_jsonl(tmp_path / "g.jsonl", "prompt", ["Say hello.", "Name a color."])
+    out = tmp_path / "draft"
+    r = CliRunner().invoke(train_drafter, [
+        "--model", "tiny-random", "--out", str(out), "--train-data", str(g), "--max-prompts", "2",
+        "--target-tokens", "10", "--blocks", "4", "--blocks-per-seq", "2", "--seqs-per-step", "2",
+        "--rank", "4", "--max-steps", "1", "--gen-concurrency", "2", "--device", "cpu",
+        "--gen-backend", "eager", "--convention", "nld"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "adapter_config.json").read_text())["convention"] == NLD.to_dict()
+    m = tiny_loaded().model
+    load_adapter(m, str(out))
+    assert m.draft_convention == NLD

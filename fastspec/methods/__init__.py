@@ -7,8 +7,9 @@ from fastspec.config import FastspecError
 from fastspec.methods.base import Method, RoundOutput
 from fastspec.methods.ar import AR
 from fastspec.methods.linear import LinearSS
+from fastspec.methods.recguide import RecGuide
 
-METHODS: dict[str, type[Method]] = {"ar": AR, "linear": LinearSS}
+METHODS: dict[str, type[Method]] = {"ar": AR, "linear": LinearSS, "recguide": RecGuide}
 
 
 def get_method(name: str | Method, **options) -> Method:

@@ -15,7 +15,7 @@ class AR(Method):
     def __init__(self, block: int = 1):
         super().__init__(block=1)
 
-    def round(self, step, pending, blocks) -> RoundOutput:
+    def round(self, step, pending, blocks, carry, variant="") -> RoundOutput:
         logits = step.forward(pending[:, None], causal_block(1, pending.device))
         token = sample_tokens(logits[:, 0], step.sampler)
         one = torch.ones_like(pending)

@@ -1,13 +1,13 @@
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
 @dataclass
 class RoundOutput:
-    """What one round produced for every slot (tensors; the engine reads them once)."""
+    """What one round produced for every row (tensors; the engine reads them once)."""
     emitted: torch.Tensor          # [S, n] new tokens; row s uses emitted[s, :n_emitted[s]]
     n_emitted: torch.Tensor        # [S] tokens emitted == tokens whose K/V the round commits
     n_drafted: torch.Tensor        # [S] how many of the emitted tokens were accepted drafts
@@ -17,32 +17,105 @@ class RoundOutput:
     draft_prob: torch.Tensor | None = None
     draft_confidence: torch.Tensor | None = None
     draft_margin: torch.Tensor | None = None
+    # The method's carried state after this round ({name: [S, ...]}, see Method.carry_spec).
+    carry: dict[str, torch.Tensor] = field(default_factory=dict)
+    # [S, k] small integers the method's host-side planner reads with the round's one host read
+    # (e.g. "a pre-drafted block is ready", branch coverage); None when it reads nothing.
+    host: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class CarrySpec:
+    """One per-slot tensor a method keeps from round to round: shape per slot, dtype, and the
+    value a slot holds after admission or retirement (cleared)."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.long
+    fill: float = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a request does in its next round, decided on the host between rounds: its block size
+    and the step variant (e.g. RecGuide's "hit": the draft was pre-drafted, skip the draft
+    forward). Requests with the same plan run together in one keyed step."""
+    block: int
+    variant: str = ""
+
+
+@dataclass
+class RunInfo:
+    """What a method's planner may know about the run it plans for."""
+    concurrency: int
+    rows: int                                   # the batch bucket of a full batch
+    eos_ids: set
+    step_ms: dict                               # (rows, variant) -> measured ms of that step
 
 
 class Method:
     """A decoding method: lays out the tokens of one round, asks for forwards, accepts.
 
-    `round` runs inside the engine's step for a GraphKey(batch, block, layout): traced and
-    compiled (or captured) as one function, so it must be tensor code only: no `.item()`, no
-    boolean indexing, no data-dependent Python branches, no Python state written.
+    `round` runs inside the engine's step for a GraphKey(batch, block, layout, sampling, method):
+    traced and compiled (or captured) as one function, so it must be tensor code only: no
+    `.item()`, no boolean indexing, no data-dependent Python branches, no Python state written.
+    Between rounds, `plan` (host side) gives each request its block size and variant.
     """
     name = "?"
     needs_adapter = False
     layout = "?"                    # the GraphKey layout of a round
-    forwards = 1                    # model forwards per round
+    forwards = 1                    # model forwards per round (see forwards_for)
+    # True: rows with different blocks run in separate steps, each padded to its own bucket.
+    # False: one step for every row at the widest block, padded to the bucket of the whole batch
+    # (one compiled key for the run, however requests drain).
+    bucketing = False
 
     def __init__(self, block: int = 16):
         self.block = block
 
+    # --- host side --------------------------------------------------------------------------
     def block_for(self, seq) -> int:
-        """The block size a request starts with (schedulers may change it per round)."""
+        """The block size a request starts with."""
         return self.block
+
+    def plan(self, seq) -> Plan:
+        """The request's next round (seq: the engine's Sequence, with its history so far and the
+        last round's host values in `seq.host`)."""
+        return Plan(seq.block)
+
+    def plans(self) -> list[Plan]:
+        """Every plan `plan` can return: the warm-up builds their steps before timing starts."""
+        return [Plan(self.block)]
+
+    def forwards_for(self, variant: str) -> int:
+        """Model forwards one round of this variant runs."""
+        return self.forwards
 
     def max_block(self) -> int:
-        """Tokens one round can emit per row at most: the KV cache keeps this much headroom."""
+        """Tokens one round can emit per row at most."""
         return self.block
 
-    def round(self, step, pending: torch.Tensor, blocks: torch.Tensor) -> RoundOutput:
-        """One round for every slot. step: the engine's `Step` (forward, sampler, width);
-        pending [S]: each slot's seed (sampled, not yet in cache); blocks [S]: block sizes."""
+    def max_width(self) -> int:
+        """New tokens one forward writes per row at most: the KV cache keeps this much headroom."""
+        return self.max_block()
+
+    def begin(self, run: "RunInfo") -> None:
+        """Called once before a run's first round (host side)."""
+
+    def carry_spec(self, vocab_size: int, sampled: bool = False) -> dict[str, CarrySpec]:
+        """Per-slot tensors kept from one round to the next (static buffers the engine owns)."""
+        return {}
+
+    def layout_name(self, variant: str) -> str:
+        return self.layout if not variant else f"{self.layout}:{variant}"
+
+    def key_name(self) -> str:
+        """Names this method's steps in GraphKeys: two method instances with different options
+        never share (or evict) each other's compiled steps."""
+        return self.name
+
+    # --- inside the step --------------------------------------------------------------------
+    def round(self, step, pending: torch.Tensor, blocks: torch.Tensor,
+              carry: dict[str, torch.Tensor], variant: str = "") -> RoundOutput:
+        """One round for every row. step: the engine's `Step` (forward, sampler, width);
+        pending [S]: each row's seed (sampled, not yet in cache); blocks [S]: block sizes;
+        carry: this method's carried state for the rows."""
         raise NotImplementedError

@@ -17,29 +17,13 @@ from __future__ import annotations
 import torch
 
 from fastspec.config import FastspecError
+from fastspec.convention import aligned_draft_logits, draft_adapter_flags, draft_block_mask
 from fastspec.layout import causal_block
 from fastspec.methods.base import Method, RoundOutput
 from fastspec.sampling import STREAM_DRAFT, filtered_logprobs, sample_from_logprobs
 from fastspec.verify import accept_chain
 
 BLOCK_SIZES = (4, 8, 16, 32)
-
-
-def draft_block_mask(blocks: torch.Tensor, n: int) -> torch.Tensor:
-    """[S, n, n] draft attention among new tokens; row s uses the first blocks[s] positions.
-
-    blocks = [3], n = 4:   s M M .
-                       s  1 0 0 0
-                       M  1 1 1 0
-                       M  1 1 1 0
-                       .  1 0 0 1   (padding: sees itself only, so it cannot produce NaNs)
-    """
-    i = torch.arange(n, device=blocks.device)
-    valid = i[None, :] < blocks[:, None]                               # [S, n] key is in the block
-    mask = (i[None, :, None] > 0) & valid[:, None, :]                  # masks see the whole block
-    mask = mask & valid[:, :, None]
-    eye = torch.eye(n, dtype=torch.bool, device=blocks.device)
-    return mask | eye[None]                                            # the seed sees itself
 
 
 def draft_stats(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -66,18 +50,19 @@ class LinearSS(Method):
     def draft(self, step, pending: torch.Tensor, blocks: torch.Tensor):
         """Draft forward: drafts [S, n], the drafter's filtered log-probs [S, n, V] (None under
         greedy: q is never needed) and its logits."""
-        S, n = pending.shape[0], step.width
+        S, n, conv = pending.shape[0], step.width, step.convention
         ids = torch.full((S, n), step.mask_token_id, dtype=torch.long, device=pending.device)
         ids[:, 0] = pending
-        adapter_on = torch.arange(n, device=pending.device)[None, :].expand(S, n) > 0
-        logits = step.forward(ids, draft_block_mask(blocks, n), adapter_on=adapter_on)
+        logits = step.forward(ids, draft_block_mask(conv, blocks, n),
+                              adapter_on=draft_adapter_flags(conv, S, n, pending.device))
+        logits = aligned_draft_logits(conv, logits, step.mask_token_id)
         s = step.sampler
         if not s.any_sampled:
             return logits.argmax(-1), None, logits
         logp = filtered_logprobs(logits, s.temperature[:S], s.top_k[:S], s.top_p[:S], s.any_filtered)
         return sample_from_logprobs(logp, s.uniform(STREAM_DRAFT, (n,), rows=S)), logp, logits
 
-    def round(self, step, pending, blocks) -> RoundOutput:
+    def round(self, step, pending, blocks, carry, variant="") -> RoundOutput:
         n = step.width
         drafts, draft_logp, draft_logits = self.draft(step, pending, blocks)
         verify_ids = torch.cat([pending[:, None], drafts[:, : n - 1]], dim=1)

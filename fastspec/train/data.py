@@ -7,9 +7,11 @@ max_new_tokens), one line per prompt keyed by a hash of the prompt's token ids; 
 with more prompts, only generates what is missing. Lines are appended as batches finish, so an
 interrupted generation resumes where it stopped.
 
-Prompts: GSM8K train questions (the benchmark's math instruction appended, as at eval time) plus
-a small built-in set of general chat / code / writing requests so the drafter does not only see
-arithmetic. All are rendered with the model's chat template.
+Prompts: a weighted mixture of prompt files (`--train-data FILE[:weight],...`: GSM8K train
+questions get the benchmark's math instruction appended, as at eval time; code / general files
+give their `prompt`), or by default GSM8K train plus a small built-in set of general requests.
+All are rendered with the model's chat template. Files inside a benchmark data folder
+($FASTSPEC_DATA, ../shared/data/benchmarks) are refused: the drafter never sees a test set.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from fastspec.config import FastspecError
 # The instruction the math benchmarks append (kept in step with fastspec.evals.prompts).
 MATH_INSTRUCTION = "Solve the problem step by step. Put the final answer in \\boxed{}."
 DEFAULT_DATA = "../shared/data/train/gsm8k_train.jsonl"
+BENCHMARK_DATA = "../shared/data/benchmarks"
 DATA_ENV = "FASTSPEC_TRAIN_DATA"
 TEXT_FIELDS = ("question", "prompt", "instruction", "text")
 
@@ -128,11 +131,33 @@ def default_data_path() -> Path | None:
     return None
 
 
+def benchmark_dirs() -> list[Path]:
+    """Folders holding evaluation data, which training must never read: $FASTSPEC_DATA and
+    ../shared/data/benchmarks (beside the repo or the cwd)."""
+    repo = Path(__file__).resolve().parents[2]
+    raw = [os.environ.get("FASTSPEC_DATA"), repo / BENCHMARK_DATA, Path.cwd() / BENCHMARK_DATA]
+    if raw[0] and not Path(raw[0]).expanduser().is_absolute():
+        raw.append(repo / raw[0])          # make sets it relative to the repo
+    return list(dict.fromkeys(Path(r).expanduser().resolve() for r in raw if r))
+
+
+def check_not_benchmark(path: str | os.PathLike) -> Path:
+    """The resolved path; FastspecError when it lies inside a benchmark data folder."""
+    p = Path(path).expanduser().resolve()
+    for d in benchmark_dirs():
+        if p == d or d in p.parents:
+            raise FastspecError(f"refusing to train on {p}: it is benchmark data ({d}); "
+                                "training prompts come from ../shared/data/train")
+    return p
+
+
 def load_questions(path: str | os.PathLike, limit: int | None = None) -> list[str]:
-    """User texts from a jsonl: field question (or prompt / instruction / text) per line."""
-    p = Path(path).expanduser()
+    """User texts from a jsonl: field question (or prompt / instruction / text) per line.
+    Files under a benchmark data folder are refused."""
+    p = check_not_benchmark(path)
     if not p.is_file():
-        raise FastspecError(f"training data {p} not found (a jsonl with a 'question' field per line)")
+        raise FastspecError(f"training data {p} not found (a jsonl with a 'question' or 'prompt' "
+                            "field per line)")
     out: list[str] = []
     with open(p, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -146,10 +171,90 @@ def load_questions(path: str | os.PathLike, limit: int | None = None) -> list[st
             text = next((row[k] for k in TEXT_FIELDS if isinstance(row, dict) and row.get(k)), None)
             if not isinstance(text, str):
                 raise FastspecError(f"{p}:{n} has none of the fields {', '.join(TEXT_FIELDS)}")
+            if isinstance(row, dict) and row.get("question") and MATH_INSTRUCTION not in text:
+                text = f"{text}\n\n{MATH_INSTRUCTION}"    # GSM8K-style: as at eval time
             out.append(text)
             if limit is not None and len(out) >= limit:
                 break
     return out
+
+
+@dataclass(frozen=True)
+class Source:
+    """One file of a training-data mixture and its weight."""
+    path: str
+    weight: float = 1.0
+
+    def to_arg(self) -> str:
+        return f"{self.path}:{self.weight:g}"
+
+
+def parse_mixture(spec: str) -> list[Source]:
+    """`FILE[:weight],...` -> sources (weight 1 when omitted)."""
+    out = []
+    for item in (x.strip() for x in spec.split(",")):
+        if not item:
+            continue
+        path, _, w = item.rpartition(":")
+        try:
+            weight = float(w) if path else 1.0
+        except ValueError:
+            path, weight = item, 1.0
+        path = path or item
+        if not weight > 0:
+            raise FastspecError(f"--train-data weight must be > 0, got {item!r}")
+        out.append(Source(path, weight))
+    if not out:
+        raise FastspecError("--train-data names no file")
+    return out
+
+
+def mixture_counts(sources: Sequence[Source], sizes: Sequence[int], total: int) -> list[int]:
+    """Prompts to take from each source: proportional to the weights (largest remainders), capped
+    by each file's size (the spare share goes to the others, still by weight)."""
+    counts = [0] * len(sources)
+    left, open_ = total, [i for i in range(len(sources)) if sizes[i] > 0]
+    while left > 0 and open_:
+        wsum = sum(sources[i].weight for i in open_)
+        share = {i: left * sources[i].weight / wsum for i in open_}
+        add = {i: int(share[i]) for i in open_}
+        for i in sorted(open_, key=lambda i: share[i] - add[i], reverse=True)[: left - sum(add.values())]:
+            add[i] += 1
+        for i in open_:
+            add[i] = min(add[i], sizes[i] - counts[i])
+            counts[i] += add[i]
+        left -= sum(add.values())
+        open_ = [i for i in open_ if counts[i] < sizes[i]]
+    return counts
+
+
+def interleave(groups: Sequence[Sequence[str]]) -> list[str]:
+    """Merge so that every prefix keeps each group's share (an interrupted generation, or a run
+    that only used the first prompts, still has the mixture)."""
+    total = sum(len(g) for g in groups)
+    taken, out = [0] * len(groups), []
+    for n in range(1, total + 1):
+        i = max((j for j in range(len(groups)) if taken[j] < len(groups[j])),
+                key=lambda j: n * len(groups[j]) / total - taken[j])
+        out.append(groups[i][taken[i]])
+        taken[i] += 1
+    return out
+
+
+def mixture_prompts(sources: Sequence[Source], max_prompts: int, seed: int = 0) -> tuple[list[str], list[dict]]:
+    """User messages drawn from the sources by weight (a seeded shuffle of each file), interleaved,
+    and a record per source: path, weight, prompts taken, rows in the file."""
+    if max_prompts < 1:
+        raise FastspecError(f"--max-prompts must be >= 1, got {max_prompts}")
+    texts = [load_questions(s.path) for s in sources]
+    counts = mixture_counts(sources, [len(t) for t in texts], max_prompts)
+    groups = []
+    for k, (t, n) in enumerate(zip(texts, counts)):
+        g = torch.Generator().manual_seed(seed * 1000 + k)
+        groups.append([t[i] for i in torch.randperm(len(t), generator=g)[:n].tolist()])
+    record = [{"path": s.path, "weight": s.weight, "prompts": n, "rows": len(t)}
+              for s, t, n in zip(sources, texts, counts)]
+    return interleave(groups), record
 
 
 def training_prompts(data_path: str | os.PathLike | None, max_prompts: int, seed: int = 0,
@@ -160,11 +265,11 @@ def training_prompts(data_path: str | os.PathLike | None, max_prompts: int, seed
         raise FastspecError(f"--max-prompts must be >= 1, got {max_prompts}")
     general = list(GENERAL_PROMPTS)[:max_prompts]
     questions = load_questions(data_path) if data_path is not None else []
+    if not math_instruction:
+        questions = [q.removesuffix(f"\n\n{MATH_INSTRUCTION}") for q in questions]
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(questions), generator=g).tolist()
     picked = [questions[i] for i in order[: max(0, max_prompts - len(general))]]
-    if math_instruction:
-        picked = [f"{q}\n\n{MATH_INSTRUCTION}" for q in picked]
     # Interleave so any prefix of the list (an interrupted generation) has both kinds.
     out, step = [], max(1, len(picked) // max(1, len(general)))
     gi = 0
@@ -181,10 +286,19 @@ def prompt_key(ids: Sequence[int]) -> str:
     return hashlib.sha256(json.dumps(list(ids)).encode()).hexdigest()[:20]
 
 
+# The config fields that change what the model computes (a named list, not repr(cfg): a field
+# added to ModelConfig later must not orphan the target cache and the checkpoints of a long run).
+FINGERPRINT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                      "num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
+                      "tie_word_embeddings", "attention_bias", "eos_token_ids",
+                      "attn_temperature_beta", "attn_temperature_length")
+
+
 def model_fingerprint(model, name: str = "") -> str:
     """Short hash of the config, dtype and a few weight slices: a changed model gets new targets."""
     h = hashlib.sha256()
-    h.update(json.dumps([name, repr(model.cfg), str(model.embed.dtype)]).encode())
+    fields = [getattr(model.cfg, f, None) for f in FINGERPRINT_FIELDS]
+    h.update(json.dumps([name, fields, str(model.embed.dtype)], default=str).encode())
     with torch.no_grad():
         probes = [model.embed[:8], model.layers[0].attn.wqkv[:8], model.layers[-1].mlp.w_down[:8],
                   model.norm.weight]
@@ -270,6 +384,8 @@ def build_targets(loaded, prompts: Sequence[str | list[int]], max_new_tokens: in
         eos = set(getattr(engine, "eos_ids", loaded.cfg.eos_token_ids))
 
         with open(path, "a", encoding="utf-8") as f:
+            if f.tell() and path.read_bytes()[-1:] != b"\n":
+                f.write("\n")                  # a torn last line (killed mid-write) stays alone
             def write(i: int, target: list[int], finish: str) -> None:
                 ids = missing[i]
                 cached[prompt_key(ids)] = list(target)

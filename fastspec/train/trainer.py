@@ -5,22 +5,22 @@ learn. One step, for R sequences (prompt + the base model's own greedy continuat
 
 1. clean pass (no grad): the sequence, causal, adapter off, written into a fresh KV cache. This is
    exactly what the verifier computes, and its logits are the teacher distribution.
-2. noisy pass (grad): K blocks at random start positions s inside the continuation, flattened into
-   one row of K*B tokens written after the clean columns. Block j is the inference draft layout
-   of a round whose committed prefix ends at s:
+2. noisy pass (grad): K blocks at random start positions s inside the continuation, each of a
+   size drawn from the block-size mixture, packed one after another into one row written after
+   the clean columns. Block j is the inference draft block of a round whose committed prefix ends
+   at s, laid out by the adapter's drafting convention (`fastspec.convention`: the attention
+   inside the block, where the adapter is on, whether outputs are token-shifted):
 
-       [x_s (seed: adapter off, sees clean columns < s and itself),
-        MASK x (B-1) (adapter on, see clean columns < s and the whole block)]
+       [x_s (seed), MASK x (b-1)]  at positions s .. s+b-1, seeing clean columns < s
 
    With probability `partial_prob` a block keeps a random subset of its true tokens instead of
-   all-MASK (partial masking, as in branch / tree drafts). Output at block position i predicts
-   x_{s+i+1} (token shift), so the seed's output is the base model's own next token and block
-   position i >= 1 is a draft.
+   all-MASK (partial masking, as in branch / tree drafts). Block position i's target is
+   x_{s+i+1} under a shifted convention (fastspec: the seed's output is the base model's own next
+   token), x_{s+i} under an unshifted one (nld); the seed's own output is never trained.
 
-Loss on block positions i >= 1 whose target is not visible in the input (the next input is a MASK,
-or i is the last position): (1 - kl_weight) * CE(self-distilled token) + kl_weight * KL(teacher ||
-drafter), weighted by pos_decay ** (i - 1) (a draft at i only counts if all before it are
-accepted, so early positions matter most).
+Loss on block positions i >= 1 whose target is not visible in the input: (1 - kl_weight) *
+CE(self-distilled token) + kl_weight * KL(teacher || drafter), weighted by pos_decay ** (i - 1)
+(a draft at i only counts if all before it are accepted, so early positions matter most).
 
 Gradients flow through the LoRA-produced K/V that the model writes into the cache in place
 (autograd records the index_put). The cache handed to the model is a list of per-layer tensors
@@ -34,7 +34,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -43,8 +43,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from fastspec.config import FastspecError
+from fastspec.convention import (CONVENTIONS, FASTSPEC, DraftConvention, draft_adapter_flags,
+                                 draft_block_mask)
 from fastspec.draft import (AdapterConfig, adapter_parameters, adapter_state, attach_adapter,
-                            save_adapter)
+                            read_adapter, save_adapter, set_adapter_state)
 from fastspec.layout import cache_mask, causal_block
 from fastspec.train.data import Example
 
@@ -52,11 +54,27 @@ IGNORE = -100
 CHECKPOINT_FILE = "checkpoint.safetensors"
 CHECKPOINT_JSON = "checkpoint.json"       # a readable copy of the scalars (the file's metadata)
 LOG_FILE = "train_log.jsonl"
+BLOCK_SIZES = (4, 8, 16, 32)              # what LinearSS may run with
+
+
+def parse_block_mix(spec: str) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """`4:0.2,8:0.3,16:0.25,32:0.25` (or `16`) -> sizes, weights."""
+    sizes, weights = [], []
+    for item in (x.strip() for x in str(spec).split(",") if x.strip()):
+        b, _, w = item.partition(":")
+        try:
+            sizes.append(int(b))
+            weights.append(float(w) if w else 1.0)
+        except ValueError:
+            raise FastspecError(f"--blocks: bad item {item!r} (use SIZE[:weight],...)") from None
+    return tuple(sizes), tuple(weights)
 
 
 @dataclass
 class TrainConfig:
-    block: int = 16                 # draft block size B (seed + B-1 masks)
+    block_sizes: tuple[int, ...] = BLOCK_SIZES         # draft block sizes (seed + b-1 masks) ...
+    block_weights: tuple[float, ...] = (0.2, 0.3, 0.25, 0.25)   # ... drawn per block by weight
+    convention: str = "fastspec"    # drafting convention (fastspec.convention.CONVENTIONS)
     blocks_per_seq: int = 16        # K noisy blocks per sequence per step
     seqs_per_step: int = 4          # sequences (rows) per optimizer step
     rank: int = 32
@@ -73,14 +91,20 @@ class TrainConfig:
     pos_decay: float = 0.8          # weight of block position i is pos_decay ** (i - 1)
     partial_prob: float = 0.2       # chance a block is partially masked instead of all-MASK
     max_keep: float = 0.5           # partially masked blocks keep each token with p ~ U(0, max_keep)
-    small_block_prob: float = 0.25  # chance a block is a smaller power of two (>= 4) than `block`
     seed: int = 0
     log_every: int = 5
     ckpt_every_s: float = 300.0
 
     def __post_init__(self):
         self.targets = tuple(self.targets)
-        checks = [(self.block >= 2, "--block must be >= 2"),
+        self.block_sizes = tuple(int(b) for b in self.block_sizes)
+        self.block_weights = tuple(float(w) for w in self.block_weights)
+        checks = [(bool(self.block_sizes) and min(self.block_sizes) >= 2, "--blocks: sizes must be >= 2"),
+                  (len(self.block_weights) == len(self.block_sizes)
+                   and all(w >= 0 for w in self.block_weights) and sum(self.block_weights) > 0,
+                   "--blocks: one weight >= 0 per size, not all 0"),
+                  (self.convention in CONVENTIONS,
+                   f"--convention must be one of {', '.join(CONVENTIONS)}, got {self.convention!r}"),
                   (self.blocks_per_seq >= 1, "--blocks-per-seq must be >= 1"),
                   (self.seqs_per_step >= 1, "--seqs-per-step must be >= 1"),
                   (self.rank >= 1, "--rank must be >= 1"),
@@ -90,109 +114,136 @@ class TrainConfig:
                   (self.minutes > 0, "--minutes must be > 0"),
                   (0 <= self.kl_weight <= 1, "--kl-weight must be in [0, 1]"),
                   (0 < self.pos_decay <= 1, "--pos-decay must be in (0, 1]"),
-                  (0 <= self.partial_prob <= 1, "--partial-prob must be in [0, 1]"),
-                  (0 <= self.small_block_prob <= 1, "--small-block-prob must be in [0, 1]")]
+                  (0 <= self.partial_prob <= 1, "--partial-prob must be in [0, 1]")]
         for ok, msg in checks:
             if not ok:
                 raise FastspecError(msg)
 
+    @property
+    def block(self) -> int:
+        """The widest block (the adapter's recorded block_size)."""
+        return max(self.block_sizes)
+
+    @property
+    def draft_convention(self) -> DraftConvention:
+        return CONVENTIONS[self.convention]
+
     def adapter_config(self) -> AdapterConfig:
         return AdapterConfig(rank=self.rank, alpha=self.alpha, targets=self.targets,
-                             block_size=self.block)
+                             block_size=self.block, convention=self.draft_convention.to_dict())
 
 
 # --- layout ---------------------------------------------------------------------------------
-def draft_block_mask(block: int, device=None) -> torch.Tensor:
-    """[B, B] inference draft block: the seed sees itself; every MASK sees the whole block."""
-    m = torch.ones(block, block, dtype=torch.bool, device=device)
-    m[0, 1:] = False
-    return m
-
-
-def training_mask(starts: torch.Tensor, block: int, clean_len: int,
-                  sizes: torch.Tensor | None = None) -> torch.Tensor:
-    """Mask [R, K*B, clean_len + K*B] for K blocks of B tokens written after `clean_len` columns.
-
-    Block j of row r (start s = starts[r, j], size b = sizes[r, j], default B) sees clean columns
-    < s, and within its own first b positions: the seed only itself, the other tokens all b.
-    Positions >= b are padding that sees only itself and that nobody sees (as in LinearSS rows
-    with a smaller block than the batch's widest). Blocks never see each other.
-    """
-    R, K = starts.shape
-    N = K * block
-    dev = starts.device
-    q = torch.arange(N, device=dev)
-    q_block, q_pos = q // block, q % block
-    if sizes is None:
-        sizes = torch.full_like(starts, block)
-    valid = q_pos[None, :] < sizes[:, q_block]                               # [R, N]
-    clean = (torch.arange(clean_len, device=dev)[None, None, :] < starts[:, q_block][..., None]) \
-        & valid[..., None]
-    same = (q_block[:, None] == q_block[None, :]) & ((q_pos != 0)[:, None])   # [N, N]
-    inner = same[None] & valid[:, :, None] & valid[:, None, :]
-    inner = inner | torch.eye(N, dtype=torch.bool, device=dev)[None]
-    return torch.cat([clean, inner], dim=-1)
-
-
 @dataclass
 class Batch:
+    """K blocks per row packed back to back: token t of row r is position tok_pos[r, t] of block
+    tok_block[r, t] (-1: padding after the row's last block)."""
     clean_ids: torch.Tensor        # [R, Tc] sequence tokens (padded with 0), causal pass
-    block_ids: torch.Tensor        # [R, K*B] seed, then MASK (or a kept true token)
-    positions: torch.Tensor        # [R, K*B] RoPE positions s + i
+    block_ids: torch.Tensor        # [R, N] seed, then MASK (or a kept true token)
+    positions: torch.Tensor        # [R, N] RoPE positions s + i
+    tok_block: torch.Tensor        # [R, N] block index j of each token, -1 = padding
+    tok_pos: torch.Tensor          # [R, N] position i inside its block
+    targets: torch.Tensor          # [R, N] target token, IGNORE where none
+    weights: torch.Tensor          # [R, N] loss weight (0 = not counted; always 0 at seeds)
     starts: torch.Tensor           # [R, K]
-    targets: torch.Tensor          # [R, K*B] next-token target, IGNORE where none
-    weights: torch.Tensor          # [R, K*B] loss weight (0 = not counted; always 0 at seeds)
+    sizes: torch.Tensor            # [R, K] block sizes
     all_masked: torch.Tensor       # [R, K] block is all-MASK (the inference layout)
-    sizes: torch.Tensor            # [R, K] block sizes (<= block; the rest is padding)
-    block: int
+    conv: DraftConvention = field(default=FASTSPEC)
 
     @property
     def clean_len(self) -> int:
         return self.clean_ids.shape[1]
 
+    @property
+    def block(self) -> int:
+        return int(self.sizes.max())
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """[R, K] index of each block's seed in the packed row."""
+        return self.sizes.cumsum(1) - self.sizes
+
     def to(self, device) -> "Batch":
-        return Batch(*(getattr(self, f).to(device) for f in
-                       ("clean_ids", "block_ids", "positions", "starts", "targets", "weights",
-                        "all_masked", "sizes")), block=self.block)
+        names = [f for f in self.__dataclass_fields__ if f != "conv"]
+        return Batch(*(getattr(self, f).to(device) for f in names), conv=self.conv)
 
 
 def make_batch(examples: Sequence[Example], starts: torch.Tensor, keep: torch.Tensor, block: int,
                mask_id: int, pos_decay: float = 1.0, max_position: int | None = None,
-               sizes: torch.Tensor | None = None) -> Batch:
+               sizes: torch.Tensor | None = None, conv: DraftConvention = FASTSPEC) -> Batch:
     """Deterministic batch: `starts [R, K]` block starts (>= prompt length, <= len - 2), `keep
-    [R, K, B]` bool (True keeps the true token at that block position; position 0, the seed, is
-    always the true token), `sizes [R, K]` block sizes (default: all `block`)."""
+    [R, K, block]` bool (True keeps the true token at that block position; position 0, the seed,
+    is always the true token), `sizes [R, K]` block sizes <= block (default: all `block`)."""
     R, K = starts.shape
     sizes = torch.full_like(starts, block) if sizes is None else sizes
-    B = block
+    B, shift = block, int(conv.shift)
     lens = torch.tensor([len(e.ids) for e in examples])
-    span = int(starts.max()) + B + 1
-    ids = torch.full((R, max(int(lens.max()), span)), -1, dtype=torch.long)
+    ids = torch.full((R, max(int(lens.max()), int(starts.max()) + B + 1)), -1, dtype=torch.long)
     for r, e in enumerate(examples):
         ids[r, : len(e.ids)] = torch.tensor(e.ids)
     i = torch.arange(B)
     pos = starts[..., None] + i                                     # [R, K, B]
     true_tok = torch.gather(ids, 1, pos.view(R, -1)).view(R, K, B)
-    nxt = torch.gather(ids, 1, (pos + 1).view(R, -1)).view(R, K, B)
+    tgt = torch.gather(ids, 1, (pos + shift).view(R, -1)).view(R, K, B)
     keep = keep.clone()
     keep[..., 0] = True
     inp = torch.where(keep & (true_tok >= 0), true_tok, torch.full_like(true_tok, mask_id))
     valid = i < sizes[..., None]                                    # [R, K, B] inside the block
-    # A target is counted when it exists and the drafter cannot read it off the next input
-    # (the next position is a MASK, or this is the block's last position).
-    next_hidden = torch.ones_like(keep)
-    next_hidden[..., :-1] = (inp[..., 1:] == mask_id) | ~valid[..., 1:]
-    counted = (nxt >= 0) & next_hidden & (i > 0) & valid
-    targets = torch.where(counted, nxt, torch.full_like(nxt, IGNORE))
+    # A target counts when it exists and the drafter cannot read it off the input: its own block
+    # position (i + shift) holds a MASK, or lies past the block's end.
+    hidden = torch.ones_like(keep)
+    hidden[..., : B - shift] = (inp[..., shift:] == mask_id) | ~valid[..., shift:]
+    counted = (tgt >= 0) & hidden & (i > 0) & valid
+    targets = torch.where(counted, tgt, torch.full_like(tgt, IGNORE))
     w = (pos_decay ** (i - 1).clamp(min=0).float()) * counted.float()
-    # The clean pass needs columns < s (prefix) and rows up to s + B - 1 (teacher logits).
-    clean_len = int(torch.minimum(lens, starts.max(1).values + B).max())
+    # The clean pass needs columns < s (prefix) and rows up to s + b - 1 (teacher logits).
+    clean_len = int(torch.minimum(lens, (starts + sizes).max(1).values).max())
     clean = ids[:, :clean_len].clamp(min=0)
     if max_position is not None:
         pos = pos.clamp(max=max_position - 1)
     all_masked = ((inp == mask_id) | ~valid)[..., 1:].all(-1)
-    return Batch(clean, inp.view(R, -1), pos.view(R, -1), starts, targets.view(R, -1),
-                 w.view(R, -1), all_masked, sizes, B)
+    # Pack: each row's in-block tokens in order, then padding up to the widest row.
+    N = int(sizes.sum(1).max())
+    order = torch.sort((~valid).view(R, -1).int(), dim=1, stable=True).indices[:, :N]
+    real = torch.gather(valid.view(R, -1), 1, order)
+
+    def pack(x: torch.Tensor, pad) -> torch.Tensor:
+        x = torch.gather(x.reshape(R, -1), 1, order)
+        return torch.where(real, x, torch.full_like(x, pad))
+
+    kb = torch.arange(K)[:, None].expand(K, B)
+    return Batch(clean, pack(inp, mask_id), pack(pos, 0), pack(kb.expand(R, K, B), -1),
+                 pack(i.expand(R, K, B), 0), pack(targets, IGNORE), pack(w, 0.0), starts, sizes,
+                 all_masked, conv)
+
+
+def training_mask(batch: Batch) -> torch.Tensor:
+    """Mask [R, N, Tc + N] of the packed blocks written after the Tc clean columns.
+
+    A token of block j (start s) sees clean columns < s and, inside its own block, what the
+    convention's `draft_block_mask` lets it see; blocks never see each other; padding sees only
+    itself and nobody sees it.
+    """
+    blk, pos, starts = batch.tok_block, batch.tok_pos, batch.starts
+    R, N = blk.shape
+    K, B = starts.shape[1], batch.block
+    dev = blk.device
+    real = blk >= 0
+    j = blk.clamp(min=0)
+    s = torch.gather(starts, 1, j)
+    clean = (torch.arange(batch.clean_len, device=dev)[None, None, :] < s[..., None]) & real[..., None]
+    pattern = draft_block_mask(batch.conv, batch.sizes.reshape(-1), B).view(R, K, B, B)
+    rows = pattern[torch.arange(R, device=dev)[:, None], j, pos]               # [R, N(q), B]
+    inner = torch.gather(rows, 2, pos[:, None, :].expand(R, N, N))              # [R, N, N(k)]
+    inner = inner & (blk[:, :, None] == blk[:, None, :]) & real[:, :, None]
+    inner = inner | torch.eye(N, dtype=torch.bool, device=dev)[None]
+    return torch.cat([clean, inner], dim=-1)
+
+
+def training_adapter_flags(batch: Batch) -> torch.Tensor:
+    """[R, N] adapter on/off per packed token, from the convention's draft flags."""
+    flags = draft_adapter_flags(batch.conv, 1, batch.block, batch.tok_pos.device)[0]
+    return flags[batch.tok_pos] & (batch.tok_block >= 0)
 
 
 class _LayerCache(list):
@@ -228,19 +279,17 @@ def clean_pass(model, batch: Batch, teacher_index: torch.Tensor | None):
 
 
 def block_forward(model, batch: Batch, k, v, logits_index: torch.Tensor | None = None) -> torch.Tensor:
-    """The noisy pass over the cache filled by `clean_pass`: logits [R, K*B or len(index), V]."""
+    """The noisy pass over the cache filled by `clean_pass`: logits [R, N or len(index), V]."""
     R, N = batch.block_ids.shape
-    Tc, B = batch.clean_len, batch.block
     dev = batch.block_ids.device
-    cols = (Tc + torch.arange(N, device=dev)).expand(R, N)
-    mask = training_mask(batch.starts, B, Tc, batch.sizes)
-    adapter_on = (torch.arange(N, device=dev) % B != 0).expand(R, N)
-    return model(batch.block_ids, batch.positions, k, v, cols, mask, torch.arange(R, device=dev),
-                 adapter_on=adapter_on, logits_index=logits_index)
+    cols = (batch.clean_len + torch.arange(N, device=dev)).expand(R, N)
+    return model(batch.block_ids, batch.positions, k, v, cols, training_mask(batch),
+                 torch.arange(R, device=dev), adapter_on=training_adapter_flags(batch),
+                 logits_index=logits_index)
 
 
 def draft_logits(model, batch: Batch) -> torch.Tensor:
-    """Logits of every block token [R, K*B, V] (clean pass + noisy pass, no loss)."""
+    """Logits of every packed block token [R, N, V] (clean pass + noisy pass, no loss)."""
     k, v, _ = clean_pass(model, batch, None)
     return block_forward(model, batch, k, v)
 
@@ -248,19 +297,22 @@ def draft_logits(model, batch: Batch) -> torch.Tensor:
 def draft_loss(model, batch: Batch, kl_weight: float = 0.5) -> tuple[torch.Tensor, dict]:
     """Weighted CE/KL over the draft positions; returns (loss, metrics)."""
     R, N = batch.block_ids.shape
-    B, K = batch.block, batch.starts.shape[1]
+    K, B = batch.starts.shape[1], batch.block
+    shift = int(batch.conv.shift)
     dev = batch.block_ids.device
-    # Draft rows only (block positions 1..B-1): the seed's output is the base model's own.
-    nonseed = torch.arange(N, device=dev)
-    nonseed = nonseed[nonseed % B != 0].expand(R, -1)
+    # Logits only where a loss can be: block positions >= 1 (each row's first M such tokens).
+    cand = (batch.tok_pos > 0) & (batch.tok_block >= 0)
+    M = int(cand.sum(1).max())
+    index = torch.sort((~cand).int(), dim=1, stable=True).indices[:, :M]
     teacher_index = None
     if kl_weight > 0:
-        # Teacher for the draft at (s, i) is the clean pass at position s + i.
-        teacher_index = torch.gather(batch.positions, 1, nonseed).clamp(max=batch.clean_len - 1)
+        # The teacher for a target at sequence position p is the clean pass at p - 1.
+        tpos = torch.gather(batch.positions, 1, index) + shift - 1
+        teacher_index = tpos.clamp(min=0, max=batch.clean_len - 1)
     k, v, teacher = clean_pass(model, batch, teacher_index)
-    logits = block_forward(model, batch, k, v, logits_index=nonseed)
-    tgt = torch.gather(batch.targets, 1, nonseed)
-    w = torch.gather(batch.weights, 1, nonseed)
+    logits = block_forward(model, batch, k, v, logits_index=index)
+    tgt = torch.gather(batch.targets, 1, index)
+    w = torch.gather(batch.weights, 1, index)
     logp = F.log_softmax(logits.float(), dim=-1)
     ce = -torch.gather(logp, 2, tgt.clamp(min=0)[..., None])[..., 0]
     per = (1 - kl_weight) * ce
@@ -275,34 +327,46 @@ def draft_loss(model, batch: Batch, kl_weight: float = 0.5) -> tuple[torch.Tenso
         counted = tgt != IGNORE
         n = counted.sum().clamp(min=1)
         correct = (logits.argmax(-1) == tgt) & counted
-        # Greedy LinearSS on an all-MASK block of size b: the seed's draft is always right, then
-        # the leading run of correct mask drafts, then a bonus token: tau = min(run + 2, b).
-        run = correct.view(R, K, B - 1).long().cumprod(-1).sum(-1).float()
-        tau = torch.minimum(run + 2, batch.sizes.float())
+        # Back to [R, K, B] per block position (padding and non-candidates go to a spare column).
+        cell = torch.gather(batch.tok_block * B + batch.tok_pos, 1, index)
+        cell = torch.where(torch.gather(cand, 1, index), cell, torch.full_like(cell, K * B))
+        grid = torch.zeros(R, K * B + 1, dtype=torch.bool, device=dev).scatter(1, cell, correct)
+        grid = grid[:, :-1].view(R, K, B)
+        seen1 = torch.zeros(R, K * B + 1, dtype=torch.bool, device=dev).scatter(1, cell, counted)
+        # Greedy LinearSS on an all-MASK block of size b accepts the leading run of correct drafts
+        # (plus, when shifted, d1 = the seed's own output, always right), then a bonus token.
+        run = grid[..., 1:].long().cumprod(-1).sum(-1).float()
+        tau = torch.minimum(run + 1 + shift, batch.sizes.float())
         am = batch.all_masked
         metrics = {
             "loss": loss.detach(),
             "ce": (ce * counted).sum() / n,
             "kl": (kl * counted).sum() / n if kl is not None else torch.zeros((), device=dev),
             "acc": correct.sum() / n,
-            "acc1": correct.view(R, K, B - 1)[..., 0].sum()
-                    / counted.view(R, K, B - 1)[..., 0].sum().clamp(min=1),
+            "acc1": grid[..., 1].sum() / seen1[:, :-1].view(R, K, B)[..., 1].sum().clamp(min=1),
             "accept": (run * am).sum() / am.sum().clamp(min=1),
             "tau": (tau * am).sum() / am.sum().clamp(min=1),
             "target_tokens": counted.sum(),
         }
+        for b in sorted(set(batch.sizes.view(-1).tolist())):     # tau per block size
+            sel = am & (batch.sizes == b)
+            if sel.any():
+                metrics[f"tau_b{b}"] = (tau * sel).sum() / sel.sum()
     return loss, metrics
 
 
 # --- the trainer ----------------------------------------------------------------------------
 class DraftTrainer:
-    """Trains a fresh (or resumed) draft adapter on `examples`; see the module doc for the recipe."""
+    """Trains a fresh (or resumed) draft adapter on `examples`; see the module doc for the recipe.
+    `init_adapter`: a saved adapter directory to start from (warm start) instead of a fresh
+    adapter; a checkpoint, when resuming, takes precedence over it."""
 
     def __init__(self, model, examples: Sequence[Example], cfg: TrainConfig,
                  out_dir: str | os.PathLike | None = None,
                  ckpt_dir: str | os.PathLike | None = None,
                  log_path: str | os.PathLike | None = None,
-                 model_key: str = "", meta: dict | None = None):
+                 model_key: str = "", meta: dict | None = None,
+                 init_adapter: str | os.PathLike | None = None):
         self.model = model
         self.cfg = cfg
         self.examples = [e for e in examples if len(e.target_ids) >= 2]
@@ -315,9 +379,15 @@ class DraftTrainer:
         self.meta = dict(meta or {})
         self.device = model.embed.device
         self.max_position = model.rope_cos.shape[0]
+        self.conv = cfg.draft_convention
+        if self.max_position < cfg.block + 2:
+            raise FastspecError(f"the model's {self.max_position} positions leave no room for "
+                                f"blocks of {cfg.block}")
 
         self.adapter_cfg = cfg.adapter_config()
         attach_adapter(model, self.adapter_cfg, seed=cfg.seed)
+        if init_adapter is not None:
+            self._init_from(Path(init_adapter))
         model.requires_grad_(False)
         self.params = adapter_parameters(model)
         for p in self.params:
@@ -337,6 +407,16 @@ class DraftTrainer:
             h.update(json.dumps([e.prompt_ids, e.target_ids]).encode())
         self.data_key = h.hexdigest()[:16]
 
+    def _init_from(self, d: Path) -> None:
+        saved, sd = read_adapter(str(d))
+        mine = self.adapter_cfg
+        for k in ("rank", "targets", "mask_token_id"):
+            if getattr(saved, k) != getattr(mine, k):
+                raise FastspecError(f"--init-adapter {d} has {k}={getattr(saved, k)}, this run "
+                                    f"{getattr(mine, k)}: use the same settings")
+        set_adapter_state(self.model, sd, str(d))
+        self.meta.setdefault("init_adapter", str(d))
+
     # --- sampling ---
     def _next_examples(self) -> list[Example]:
         out = []
@@ -352,20 +432,19 @@ class DraftTrainer:
         cfg, g = self.cfg, self.gen
         exs = self._next_examples()
         R, K, B = len(exs), cfg.blocks_per_seq, cfg.block
-        lo = torch.tensor([e.prompt_len for e in exs])
-        hi = torch.tensor([len(e.ids) - 2 for e in exs])        # need s + 1 inside the sequence
+        w = torch.tensor(cfg.block_weights, dtype=torch.float)
+        sizes = torch.tensor(cfg.block_sizes)[torch.multinomial(w, R * K, True, generator=g)].view(R, K)
+        lo = torch.tensor([e.prompt_len for e in exs])[:, None]
+        # s + 1 inside the sequence, and the whole block inside the model's positions.
+        hi = torch.minimum(torch.tensor([len(e.ids) - 2 for e in exs])[:, None],
+                           self.max_position - sizes).clamp(min=lo)
         u = torch.rand(R, K, generator=g)
-        starts = lo[:, None] + (u * (hi - lo + 1)[:, None]).long().clamp(max=(hi - lo)[:, None])
+        starts = lo + (u * (hi - lo + 1)).long().clamp(max=hi - lo)
         partial = torch.rand(R, K, 1, generator=g) < cfg.partial_prob
         rate = torch.rand(R, K, 1, generator=g) * cfg.max_keep
         keep = partial & (torch.rand(R, K, B, generator=g) < rate)
-        sizes = torch.full((R, K), B, dtype=torch.long)
-        smaller = [b for b in (4, 8, 16, 32, 64) if b < B]
-        if smaller and cfg.small_block_prob > 0:
-            pick = torch.tensor(smaller)[torch.randint(len(smaller), (R, K), generator=g)]
-            sizes = torch.where(torch.rand(R, K, generator=g) < cfg.small_block_prob, pick, sizes)
         return make_batch(exs, starts, keep, B, self.mask_id, cfg.pos_decay,
-                          self.max_position, sizes).to(self.device)
+                          self.max_position, sizes, self.conv).to(self.device)
 
     # --- optimization ---
     def lr_at(self, step: int, elapsed_s: float) -> float:
@@ -401,7 +480,7 @@ class DraftTrainer:
     # --- checkpoints ---
     def state_scalars(self) -> dict:
         opt_steps = {str(i): float(s["step"]) for i, s in self.opt.state_dict()["state"].items()}
-        return {"version": 1, "step": self.step, "target_tokens": self.target_tokens,
+        return {"version": 2, "step": self.step, "target_tokens": self.target_tokens,
                 "elapsed_s": self.elapsed_s, "epoch": self.epoch, "cursor": self.cursor,
                 "num_examples": len(self.examples), "data_key": self.data_key, "opt_steps": opt_steps,
                 "model_key": self.model_key, "adapter_config": asdict(self.adapter_cfg),
@@ -439,12 +518,13 @@ class DraftTrainer:
             tensors = load_file(str(f))
         except Exception as e:  # corrupt / foreign file: one line
             raise FastspecError(f"cannot read training checkpoint {f}: {e}") from None
+        def norm(x):
+            return json.loads(json.dumps(x))          # tuples -> lists, as stored
         saved = scalars.get("adapter_config", {})
         mine = asdict(self.adapter_cfg)
-        for k in ("rank", "alpha", "targets", "block_size", "mask_token_id"):
-            if k in saved and (tuple(saved[k]) if k == "targets" else saved[k]) != (
-                    tuple(mine[k]) if k == "targets" else mine[k]):
-                raise FastspecError(f"checkpoint {f} was trained with {k}={saved[k]} (now "
+        for k in ("rank", "alpha", "targets", "block_size", "mask_token_id", "convention"):
+            if norm(saved.get(k, mine[k] if k != "convention" else None)) != norm(mine[k]):
+                raise FastspecError(f"checkpoint {f} was trained with {k}={saved.get(k)} (now "
                                     f"{mine[k]}): use the same settings or --no-resume")
         if self.model_key and scalars.get("model_key") and scalars["model_key"] != self.model_key:
             raise FastspecError(f"checkpoint {f} belongs to another model: use --no-resume or "
@@ -479,11 +559,13 @@ class DraftTrainer:
         if d is None:
             raise FastspecError("no output directory")
         self.adapter_cfg.meta = {**self.meta, "steps": self.step, "target_tokens": self.target_tokens,
-                                 "train_seconds": round(self.elapsed_s, 1),
-                                 "recipe": {k: v for k, v in asdict(self.cfg).items()
-                                            if k not in ("log_every", "ckpt_every_s")}}
+                                 "train_seconds": round(self.elapsed_s, 1), "recipe": self.recipe()}
         save_adapter(self.model, str(d))
         return d
+
+    def recipe(self) -> dict:
+        """The settings that shape the adapter (TrainConfig less logging cadence)."""
+        return {k: v for k, v in asdict(self.cfg).items() if k not in ("log_every", "ckpt_every_s")}
 
     # --- the loop ---
     def _log(self, row: dict) -> None:
@@ -515,6 +597,12 @@ class DraftTrainer:
         elif self.log_path is not None and self.log_path.is_file():
             self.log_path.unlink()
         cfg = self.cfg
+        # Every (re)start is a line of the log: what ran, on what, from where.
+        self._log({"event": "resume" if resumed else "start", "step": self.step,
+                   "target_tokens": self.target_tokens, "convention": self.conv.to_dict(),
+                   **{k: self.meta[k] for k in ("command", "argv", "data", "init_adapter")
+                      if k in self.meta},
+                   "examples": len(self.examples), "recipe": self.recipe()})
         budget = cfg.minutes * 60
         bar = task = None
         if progress:
@@ -524,6 +612,7 @@ class DraftTrainer:
                                 step=self.step, loss=float("nan"), tau=float("nan"), tps=0.0,
                                 sps=0.0, eta="?")
         acc: dict[str, float] = {}
+        seen: dict[str, int] = {}
         n_acc, last_ckpt, log_t = 0, time.perf_counter(), self.elapsed_s
         run_steps, run_tokens, run_time = 0, 0, 0.0
         ema_loss = ema_accept = ema_tau = None
@@ -535,18 +624,18 @@ class DraftTrainer:
                 self.elapsed_s += dt
                 run_steps, run_tokens, run_time = run_steps + 1, run_tokens + int(m["target_tokens"]), run_time + dt
                 for k, v in m.items():
-                    acc[k] = acc.get(k, 0.0) + v
+                    acc[k], seen[k] = acc.get(k, 0.0) + v, seen.get(k, 0) + 1
                 n_acc += 1
                 ema_loss = m["loss"] if ema_loss is None else 0.9 * ema_loss + 0.1 * m["loss"]
                 ema_accept = m["accept"] if ema_accept is None else 0.9 * ema_accept + 0.1 * m["accept"]
                 ema_tau = m["tau"] if ema_tau is None else 0.9 * ema_tau + 0.1 * m["tau"]
                 if self.step % cfg.log_every == 0 or self.done():
-                    row = {k: round(v / n_acc, 5) for k, v in acc.items() if k != "target_tokens"}
+                    row = {k: round(v / seen[k], 5) for k, v in acc.items() if k != "target_tokens"}
                     self._log({"step": self.step, "target_tokens": self.target_tokens,
                                "elapsed_s": round(self.elapsed_s, 2),
                                "step_s": round((self.elapsed_s - log_t) / n_acc, 3), **row})
                     log_t = self.elapsed_s
-                    acc, n_acc = {}, 0
+                    acc, seen, n_acc = {}, {}, 0
                 if bar is not None:
                     per_step = run_time / run_steps
                     left = budget - self.elapsed_s

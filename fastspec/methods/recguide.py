@@ -1,0 +1,359 @@
+"""RecGuide: verification-overlapped drafting (low load) on LinearSS's draft/verify rounds.
+
+The verify forward of round t also drafts round t+1 for its most likely outcomes, as extra rows
+of the same forward. A branch attends to the verify row's own columns (no re-encoding of the
+drafted prefix), so it costs only its own B tokens. Verify row + two branches, B = 4, fastspec's
+convention (seed causal without the adapter, token shift):
+
+    new tokens (columns)   s  d1 d2 d3 | a2 M  M  M  | M  M  M  M
+    rel. positions         0  1  2  3  | 2  3  4  5  | 4  5  6  7
+    a2 (correction at 2)   sees prefix + s d1          (verify columns 0..1) and itself
+    its masks              see prefix + s d1 + a2 M M M
+    continuation masks     see prefix + s d1 d2 d3 and the whole continuation block
+
+Correction branch p: `[alt_p, M×(B−1)]` at positions L+p.., exactly the draft the next round
+runs if the verifier rejects d_p and emits alt_p (the draft's best token other than d_p, MASK and
+EOS). Continuation: the next block at L+B if every draft is accepted; its first token stands for
+the bonus. A shifted drafter has a guess for it already (its last block position predicts L+B),
+so the continuation is the seeded block `[d_B, M×(B−1)]` (in the drafter's training layout); an
+unshifted one (NLD) drafts `[M×B]`, its first mask filled in place with the bonus guess. Risk of draft position p (never one whose draft
+is exact, like fastspec's d1): 1 − (p_top1 − p_top2) of the draft distribution, MASK excluded.
+
+Which branches, per row (the reference policy by c = number of risky positions, earliest
+first): c = 0: continuation; 1: correction 1 + continuation; 2: corrections 1, 2 + continuation;
+>= 3: corrections 1, 2. The layout has k branch slots; row r's j-th wanted branch takes slot j.
+k is chosen between rounds by the cost gate: add slot j while (its observed hit rate) × (the draft
+forward a hit saves) > (the extra verify cost of its B tokens), all from measured step times.
+
+Reuse: correction p hits iff the first rejection is at p and the verifier emitted alt_p; the
+continuation iff every draft was accepted and its guess of the bonus equals the bonus. A hit carries the branch's drafts (and, when sampling,
+their log-probs: acceptance stays lossless) into the next round, which then skips its draft
+forward: that round is one forward.
+"""
+from __future__ import annotations
+
+import torch
+
+from fastspec.config import FastspecError
+from fastspec.convention import aligned_draft_logits, draft_block_mask, draft_adapter_flags
+from fastspec.layout import causal_block
+from fastspec.methods.base import CarrySpec, Plan, RoundOutput
+from fastspec.methods.linear import BLOCK_SIZES, LinearSS, draft_stats
+from fastspec.sampling import filtered_logprobs, sample_from_logprobs
+from fastspec.verify import accept_chain
+
+STREAM_BRANCH = 16              # + slot: the random stream of a branch's sampled drafts
+CORR1, CORR2, CONT = 0, 1, 2    # branch kinds, in the reference policy's order
+# Host values a round returns per row (RoundOutput.host columns).
+H_RISKY, H_WANTED, H_COVERED, H_HIT, H_SLOTS = 0, 1, 2, 5, 6
+HOST_COLS = 7                   # risky, wanted, covered by wanted branch 0..2, hit, slots laid out
+
+
+class RecGuide(LinearSS):
+    name = "recguide"
+    layout = "overlap"
+    bucketing = True
+
+    def __init__(self, block: int = 8, threshold: float = 0.5, max_corrections: int = 2,
+                 continuation: bool = True, branches: str | int = "gate", prior_hits: float = 0.3,
+                 policy: str = "reference"):
+        """branches: "gate" (the cost gate picks the slot count each round) or a fixed count.
+        prior_hits: the hit rate assumed for a slot before any round is observed."""
+        super().__init__(block)
+        if not 0 <= max_corrections <= 2:
+            raise FastspecError(f"--max-corrections must be 0, 1 or 2, got {max_corrections}")
+        if not 0 <= threshold <= 1:
+            raise FastspecError(f"--risk-threshold must be in [0, 1], got {threshold}")
+        if policy not in ("reference", "likelihood"):
+            raise FastspecError(f"--branch-policy must be reference or likelihood, got {policy!r}")
+        self.policy = policy
+        self.threshold = threshold
+        self.max_corrections = max_corrections
+        self.continuation = continuation
+        self.max_slots = max_corrections + int(continuation)
+        if branches != "gate" and not 0 <= int(branches) <= self.max_slots:
+            raise FastspecError(f"--branches must be gate or 0..{self.max_slots}, got {branches}")
+        self.branches = branches
+        self.prior_hits = prior_hits
+        self.eos_ids: tuple[int, ...] = ()
+        self.reset_stats()
+
+    # --- host side --------------------------------------------------------------------------
+    def key_name(self) -> str:
+        return (f"recguide({self.policy},t={self.threshold},corr={self.max_corrections},"
+                f"cont={int(self.continuation)})")
+
+    def reset_stats(self) -> None:
+        # Counterfactual hit counts per slot: slot j's wanted branch matched the outcome.
+        self.slot_covered = [0] * 3
+        self.slot_trials = [0] * 3
+        self.table3 = {"rounds": 0, "proposed": 0, "laid_out": 0, "covered": 0, "reused": 0}
+        self.decisions: dict[int, int] = {}          # slots laid out -> rounds
+        self.step_ms: dict[tuple[int, str], float] = {}
+
+    def begin(self, run) -> None:
+        self.eos_ids = tuple(sorted(run.eos_ids))
+        self.step_ms = run.step_ms
+        self.rows = run.rows
+        for k in ("slot_covered", "slot_trials"):
+            setattr(self, k, [0] * 3)
+        self.table3 = {"rounds": 0, "proposed": 0, "laid_out": 0, "covered": 0, "reused": 0}
+        self.decisions = {}
+
+    def plans(self) -> list[Plan]:
+        slots = range(self.max_slots + 1) if self.branches == "gate" else [int(self.branches)]
+        return [Plan(self.block, f"{v}{k}") for k in slots for v in ("draft", "hit")]
+
+    def forwards_for(self, variant: str) -> int:
+        return 1 if variant.startswith("hit") else 2
+
+    def max_width(self) -> int:
+        return self.block * (1 + self.max_slots)
+
+    def carry_spec(self, vocab_size: int, sampled: bool = False) -> dict[str, CarrySpec]:
+        n = self.block
+        spec = {"valid": CarrySpec(()), "drafts": CarrySpec((n,)),
+                "prob": CarrySpec((n,), torch.float32), "conf": CarrySpec((n,), torch.float32),
+                "margin": CarrySpec((n,), torch.float32), "alt": CarrySpec((n,)),
+                "alt_prob": CarrySpec((n,), torch.float32)}
+        if sampled:
+            spec["logp"] = CarrySpec((n, vocab_size), torch.float32)
+        return spec
+
+    def hit_rate(self, j: int) -> float:
+        """Slot j's observed hit rate (Beta prior worth 4 rounds at `prior_hits`)."""
+        return (self.slot_covered[j] + 4 * self.prior_hits) / (self.slot_trials[j] + 4)
+
+    def gate(self, rows: int, hit: bool) -> int:
+        """Branch slots for the next round: add slot j while its hit rate × the draft forward a
+        hit saves exceeds the extra verify cost of its B tokens (measured step times)."""
+        if self.branches != "gate":
+            return int(self.branches)
+        v = "hit" if hit else "draft"
+        ms = lambda var, k: self.step_ms.get((rows, f"{var}{k}"))      # noqa: E731
+        k = 0
+        while k < self.max_slots:
+            t_draft = (ms("draft", k + 1) or 0) - (ms("hit", k + 1) or 0)
+            now, more = ms(v, k), ms(v, k + 1)
+            if now is None or more is None or t_draft <= 0:
+                break
+            if self.hit_rate(k) * t_draft <= more - now:
+                break
+            k += 1
+        return k
+
+    def plan(self, seq) -> Plan:
+        h = seq.host
+        if h:                                    # the previous round's outcome and coverage
+            wanted = h[H_WANTED]
+            for j in range(min(wanted, 3)):
+                self.slot_trials[j] += 1
+                self.slot_covered[j] += h[H_COVERED + j]
+            t = self.table3
+            t["rounds"] += 1
+            t["proposed"] += wanted
+            t["laid_out"] += min(wanted, h[H_SLOTS])
+            t["covered"] += int(any(h[H_COVERED + j] for j in range(min(wanted, 3))))
+            t["reused"] += h[H_HIT]
+        hit = bool(h) and h[H_HIT] == 1
+        k = self.gate(self.rows, hit)
+        self.decisions[k] = self.decisions.get(k, 0) + 1
+        return Plan(self.block, f"{'hit' if hit else 'draft'}{k}")
+
+    def report(self) -> dict:
+        """Table 3 (branch coverage and reuse) and the gate's decisions for the last run."""
+        t = dict(self.table3)
+        r = max(t["rounds"], 1)
+        t.update(coverage=t["covered"] / r, reuse=t["reused"] / r, no_hit=1 - t["reused"] / r,
+                 slot_hit_rates=[round(self.hit_rate(j), 4) for j in range(self.max_slots)],
+                 slots_chosen=dict(sorted(self.decisions.items())),
+                 step_ms={f"{rows}:{v}": round(ms, 3) for (rows, v), ms in self.step_ms.items()})
+        return t
+
+    # --- inside the step --------------------------------------------------------------------
+    def round(self, step, pending, blocks, carry, variant="") -> RoundOutput:
+        n, S, dev = step.width, pending.shape[0], pending.device
+        k_slots = int(variant[-1]) if variant else 0
+        s = step.sampler
+        # Carried blocks are stored at the widest block; this step's rows use the first n.
+        widths = {k: v.shape[1] for k, v in carry.items() if v.dim() > 1}
+        carry = {k: v[:, :n] if v.dim() > 1 else v for k, v in carry.items()}
+        if variant.startswith("hit"):
+            drafts, draft_logp = carry["drafts"], carry.get("logp")
+            prob, conf, margin = carry["prob"], carry["conf"], carry["margin"]
+            alt, alt_prob = carry["alt"], carry["alt_prob"]
+        else:
+            drafts, draft_logp, logits = self.draft(step, pending, blocks)
+            prob, conf, margin = draft_stats(logits, drafts)
+            alt, alt_prob = self.alternatives(logits, drafts)
+
+        # Candidate branches, up to 3 per row, in slot order: (aligned index of the corrected
+        # draft, or the continuation) and whether the row wants it at all.
+        rows = torch.arange(S, device=dev)
+        # The continuation's first token stands for the bonus. A shifted drafter already guessed
+        # it (its last draft, aligned index b-1, predicts position L+b): the branch is then an
+        # ordinary seeded draft. An unshifted one starts from a MASK whose in-place draft is the
+        # guess.
+        bonus_guess = drafts.gather(1, (blocks - 1)[:, None])[:, 0]
+        slot_idx, slot_cont, wanted, c = self.candidates(step, blocks, margin, prob, alt_prob,
+                                                         bonus_guess)
+        shifted = torch.tensor(step.convention.shift, device=dev)
+        cont_first = bonus_guess if step.convention.shift else torch.full_like(bonus_guess,
+                                                                               step.mask_token_id)
+        anchors, firsts, seeded = [], [], []
+        for j in range(k_slots):
+            idx, cont = slot_idx[:, j], slot_cont[:, j]
+            anchors.append(torch.where(cont, blocks, idx + 1))
+            firsts.append(torch.where(cont, cont_first, alt[rows, idx]))
+            seeded.append(~cont | shifted)
+        verify_ids = torch.cat([pending[:, None], drafts[:, : n - 1]], dim=1)
+        if k_slots == 0:
+            target_logits = step.forward(verify_ids, causal_block(n, dev))
+        else:
+            ids, mask, adapter, rel = self.overlap_layout(step, verify_ids, blocks, anchors, firsts,
+                                                          seeded)
+            logits_all = step.forward(ids, mask, adapter_on=adapter, rel_positions=rel)
+            target_logits = logits_all[:, :n]
+        emitted, n_emitted, accepted = accept_chain(drafts, target_logits, blocks, s, draft_logp)
+        out_tok = emitted[rows, accepted]                           # the correction or the bonus
+
+        # Which outcome each candidate covers (counterfactually, laid out or not): a correction
+        # at index i iff the first rejection is d(i+1) and the verifier emitted its alternative;
+        # the continuation iff every draft was accepted and the bonus was guessed.
+        full = accepted >= blocks - 1
+        cont_ok = full & (out_tok == bonus_guess) if step.convention.shift else full
+        corr_ok = (accepted[:, None] == slot_idx) & ~full[:, None] \
+            & (out_tok[:, None] == alt.gather(1, slot_idx))
+        covers = torch.where(slot_cont, cont_ok[:, None], corr_ok) & wanted      # [S, 3]
+
+        new = {"valid": torch.zeros_like(pending), "drafts": drafts, "prob": prob, "conf": conf,
+               "margin": margin, "alt": alt, "alt_prob": alt_prob}
+        if draft_logp is not None:
+            new["logp"] = draft_logp
+        for j in range(k_slots):
+            blk = logits_all[:, n * (j + 1): n * (j + 2)]
+            b_al = aligned_draft_logits(step.convention, blk, step.mask_token_id)
+            cover = covers[:, j]
+            if not step.convention.shift:    # unshifted: the continuation guessed the bonus
+                guess = aligned_bonus_guess(blk, step.mask_token_id)
+                cover = cover & (~slot_cont[:, j] | (guess == out_tok))
+            if not s.any_sampled:
+                b_drafts, b_logp = b_al.argmax(-1), None
+            else:
+                b_logp = filtered_logprobs(b_al, s.temperature, s.top_k, s.top_p, s.any_filtered)
+                b_drafts = sample_from_logprobs(b_logp, s.uniform(STREAM_BRANCH + j, (n,), rows=S))
+            b_prob, b_conf, b_margin = draft_stats(b_al, b_drafts)
+            take = cover[:, None]
+            new["valid"] = torch.where(cover, torch.ones_like(new["valid"]), new["valid"])
+            new["drafts"] = torch.where(take, b_drafts, new["drafts"])
+            new["prob"] = torch.where(take, b_prob, new["prob"])
+            new["conf"] = torch.where(take, b_conf, new["conf"])
+            new["margin"] = torch.where(take, b_margin, new["margin"])
+            b_alt, b_alt_prob = self.alternatives(b_al, b_drafts)
+            new["alt"] = torch.where(take, b_alt, new["alt"])
+            new["alt_prob"] = torch.where(take, b_alt_prob, new["alt_prob"])
+            if b_logp is not None:
+                new["logp"] = torch.where(take[..., None], b_logp, new["logp"])
+        host = torch.cat([c[:, None], wanted.long().sum(-1, keepdim=True), covers.long(),
+                          new["valid"][:, None], torch.full_like(c, k_slots)[:, None]], 1)
+        for k, w in widths.items():
+            if w > n:
+                pad = (0, 0, 0, w - n) if new[k].dim() == 3 else (0, w - n)
+                new[k] = torch.nn.functional.pad(new[k], pad)
+        return RoundOutput(emitted, n_emitted, accepted, prob, conf, margin, carry=new, host=host)
+
+    def alternatives(self, logits: torch.Tensor, drafts: torch.Tensor):
+        """[S, n] the draft's best token other than its own draft, MASK (already -inf) and EOS,
+        and the drafter's probability of it."""
+        logits = logits.float()
+        x = logits.scatter(-1, drafts[..., None], float("-inf"))
+        vocab = torch.arange(x.shape[-1], device=x.device)
+        for e in self.eos_ids:
+            x = x.masked_fill(vocab == e, float("-inf"))
+        alt = x.argmax(-1)
+        p_alt = (logits.gather(-1, alt[..., None])[..., 0] - logits.logsumexp(-1)).exp()
+        return alt, p_alt
+
+    def candidates(self, step, blocks, margin, prob, alt_prob, bonus_guess):
+        """Up to 3 branches per row in slot order: (aligned index [S, 3] of the draft a correction
+        replaces, is-continuation [S, 3], wanted [S, 3]) and the risky count c [S].
+
+        reference: risky = 1 − margin > threshold; by c: 0 -> [cont], 1 -> [corr1, cont],
+        2 -> [corr1, corr2, cont], >= 3 -> [corr1, corr2] (earliest risky first).
+        likelihood: the 3 candidates most likely to be hit, by the drafter's own probabilities:
+        a correction of d_p is hit with P ≈ Π_{i<p} q(d_i) · q(alt_p), the continuation with
+        Π_{i<b} q(d_i) · q(bonus guess)."""
+        S, n = margin.shape
+        dev = margin.device
+        conv = step.convention
+        i = torch.arange(n, device=dev)
+        # Aligned index i judges draft p = i + 1; fastspec's d1 is exact: never a branch point.
+        p_min = 2 if conv.shift and conv.seed_attention == "causal" and not conv.seed_adapter else 1
+        judged = ((i + 1)[None, :] >= p_min) & ((i + 1)[None, :] <= blocks[:, None] - 1)
+        risky = ((1 - margin) > self.threshold) & judged
+        c = risky.long().sum(-1)
+        if self.policy == "likelihood":
+            q = torch.where(judged, prob, torch.ones_like(prob))
+            before = torch.cumprod(torch.cat([torch.ones_like(q[:, :1]), q[:, :-1]], 1), 1)
+            corr_score = torch.where(judged, before * alt_prob, torch.full_like(prob, -1.0))
+            if self.max_corrections == 0:
+                corr_score = torch.full_like(corr_score, -1.0)
+            all_acc = before.gather(1, (blocks - 1)[:, None])               # every draft accepted
+            g = prob.gather(1, (blocks - 1)[:, None]) if conv.shift else torch.ones_like(all_acc)
+            cont_score = torch.where(torch.tensor(self.continuation, device=dev), all_acc * g,
+                                     torch.full_like(all_acc, -1.0))
+            score = torch.cat([corr_score, cont_score], 1)                 # [S, n + 1]
+            top = score.topk(3, dim=-1)
+            cont = top.indices == n
+            idx = torch.where(cont, torch.zeros_like(top.indices), top.indices)
+            return idx, cont, top.values >= 0, c
+        rank = risky.long().cumsum(-1)
+        idx1 = ((rank == 1) & risky).long().argmax(-1)              # aligned index of 1st risky
+        idx2 = ((rank == 2) & risky).long().argmax(-1)
+        by_kind = torch.stack([(c >= 1) & (self.max_corrections >= 1),
+                               (c >= 2) & (self.max_corrections >= 2),
+                               (c <= 2) & self.continuation], 1)   # [S, 3]: corr1, corr2, cont
+        order = by_kind.long().cumsum(-1)                           # kind's place in the row's list
+        kinds = torch.stack([((order == j + 1) & by_kind).long().argmax(-1) for j in range(3)], 1)
+        idx = torch.where(kinds == CORR1, idx1[:, None], idx2[:, None])
+        wanted = by_kind.long().sum(-1, keepdim=True) > torch.arange(3, device=dev)[None, :]
+        return idx, kinds == CONT, wanted, c
+
+    @staticmethod
+    def overlap_layout(step, verify_ids, blocks, anchors, firsts, seeded):
+        """Tokens [S, N], mask among them [S, N, N], adapter flags [S, N] and RoPE positions
+        relative to the committed length [S, N] for the verify row plus one branch per slot
+        (N = n · (1 + slots)); see the module docstring for a worked example."""
+        S, n = verify_ids.shape
+        dev = verify_ids.device
+        conv = step.convention
+        full = torch.full((S,), n, dtype=torch.long, device=dev)
+        seed_mask = draft_block_mask(conv, full, n)                     # [S, n, n] seeded block
+        all_see = torch.ones(S, n, n, dtype=torch.bool, device=dev)     # continuation: all masks
+        seed_flags = draft_adapter_flags(conv, S, n, dev)
+        i = torch.arange(n, device=dev)
+        ids, rel, adapter = [verify_ids], [i.expand(S, n)], [torch.zeros(S, n, dtype=torch.bool, device=dev)]
+        blocks_rows = [torch.cat([causal_block(n, dev).expand(S, n, n),
+                                  torch.zeros(S, n, n * len(anchors), dtype=torch.bool, device=dev)], 2)]
+        for j, (anchor, first, is_seeded) in enumerate(zip(anchors, firsts, seeded)):
+            tok = torch.full((S, n), step.mask_token_id, dtype=torch.long, device=dev)
+            tok[:, 0] = first
+            ids.append(tok)
+            rel.append(anchor[:, None] + i[None, :])
+            adapter.append(torch.where(is_seeded[:, None], seed_flags, torch.ones_like(seed_flags)))
+            sees_verify = (i[None, :] < anchor[:, None])[:, None, :].expand(S, n, n)
+            own = torch.where(is_seeded[:, None, None], seed_mask, all_see)
+            parts = [sees_verify]
+            for jj in range(len(anchors)):
+                parts.append(own if jj == j else torch.zeros(S, n, n, dtype=torch.bool, device=dev))
+            blocks_rows.append(torch.cat(parts, 2))
+        return (torch.cat(ids, 1), torch.cat(blocks_rows, 1), torch.cat(adapter, 1),
+                torch.cat(rel, 1))
+
+
+def aligned_bonus_guess(block_logits: torch.Tensor, mask_token_id: int | None) -> torch.Tensor:
+    """An unshifted continuation's in-place draft of its first position (the bonus token)."""
+    x = block_logits[:, 0]
+    if mask_token_id is not None and 0 <= mask_token_id < x.shape[-1]:
+        x = x.masked_fill(torch.arange(x.shape[-1], device=x.device) == mask_token_id, float("-inf"))
+    return x.argmax(-1)

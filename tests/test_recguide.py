@@ -1,0 +1,350 @@
+"""RecGuide: the verify forward pre-drafts the next block for its likely outcomes; a hit skips
+the next draft forward, and the output is still exactly AR's."""
+import math
+import random
+
+import pytest
+import torch
+
+from conftest import tiny_loaded
+from fastspec.convention import FASTSPEC, NLD
+from fastspec.draft import AdapterConfig, attach_adapter
+from fastspec.engine import Engine, Step
+from fastspec.layout import causal_block
+from fastspec.methods.recguide import (H_COVERED, H_HIT, H_RISKY, H_SLOTS, H_WANTED, RecGuide)
+from fastspec.sampling import SamplerState, SamplingParams
+
+V, MASK, EOS = 10, 10, 9
+
+
+def logits_from(probs: dict[int, float]) -> torch.Tensor:
+    """A row of logits whose softmax puts `probs` on those ids and spreads the rest evenly."""
+    rest = (1 - sum(probs.values())) / (V - len(probs))
+    p = torch.full((V,), rest)
+    for t, q in probs.items():
+        p[t] = q
+    return p.log()
+
+
+class FakeStep:
+    """Hands out prepared logits per forward and records what each forward was given."""
+
+    def __init__(self, outputs, width, convention=FASTSPEC):
+        self.outputs, self.width, self.convention = list(outputs), width, convention
+        self.sampler = SamplerState(1)
+        self.mask_token_id = MASK
+        self.calls = []
+
+    def forward(self, ids, block_mask, adapter_on=None, rel_positions=None):
+        self.calls.append(dict(ids=ids, mask=block_mask, adapter=adapter_on, rel=rel_positions))
+        return self.outputs.pop(0)
+
+
+# Draft of a B = 4 round after seed s = 4: aligned index i proposes d(i+1) (fastspec's shift).
+DRAFT = torch.stack([logits_from({3: 0.9}),             # d1 = 3 (exact: never a branch point)
+                     logits_from({5: 0.45, 6: 0.40}),   # d2 = 5, risky (margin 0.05), alt 6
+                     logits_from({7: 0.9}),             # d3 = 7, safe
+                     logits_from({1: 0.8})])[None]      # d4 = 1: the guess of the bonus
+
+
+def target(*tokens):
+    return torch.stack([logits_from({t: 0.9}) for t in tokens])[None]
+
+
+def branch_logits(tokens):
+    return torch.stack([logits_from({t: 0.7}) for t in tokens])[None]
+
+
+def run_round(verify_targets, variant="draft2", carry=None, policy="reference"):
+    m = RecGuide(block=4, policy=policy)
+    m.eos_ids = (EOS,)
+    corr, cont = branch_logits([2, 4, 8, 0]), branch_logits([1, 2, 3, 4])
+    overlap = torch.cat([verify_targets, corr, cont], 1)
+    outputs = ([] if variant.startswith("hit") else [DRAFT]) + [overlap]
+    step = FakeStep(outputs, 4)
+    out = m.round(step, torch.tensor([4]), torch.tensor([4]), carry or {}, variant)
+    return m, step, out
+
+
+def test_overlap_layout_matches_hand_written_rows_mask_and_positions():
+    # d2 is the one risky draft (c = 1): the reference policy wants [correction at 2, continuation].
+    _, step, out = run_round(target(3, 6, 0, 0))
+    draft_call, overlap = step.calls
+    assert draft_call["ids"].tolist() == [[4, MASK, MASK, MASK]]
+    M = MASK
+    assert overlap["ids"].tolist() == [[4, 3, 5, 7,  6, M, M, M,  1, M, M, M]]
+    assert overlap["rel"].tolist() == [[0, 1, 2, 3,  2, 3, 4, 5,  4, 5, 6, 7]]
+    assert overlap["adapter"].int().tolist() == [[0, 0, 0, 0,  0, 1, 1, 1,  0, 1, 1, 1]]
+    want = torch.tensor([
+        # verify s d1 d2 d3 | correction a2 M M M | continuation d4 M M M
+        [1, 0, 0, 0,  0, 0, 0, 0,  0, 0, 0, 0],
+        [1, 1, 0, 0,  0, 0, 0, 0,  0, 0, 0, 0],
+        [1, 1, 1, 0,  0, 0, 0, 0,  0, 0, 0, 0],
+        [1, 1, 1, 1,  0, 0, 0, 0,  0, 0, 0, 0],
+        [1, 1, 0, 0,  1, 0, 0, 0,  0, 0, 0, 0],     # a2 sees s d1 and itself (seed: causal)
+        [1, 1, 0, 0,  1, 1, 1, 1,  0, 0, 0, 0],     # its masks see s d1 and the whole branch
+        [1, 1, 0, 0,  1, 1, 1, 1,  0, 0, 0, 0],
+        [1, 1, 0, 0,  1, 1, 1, 1,  0, 0, 0, 0],
+        [1, 1, 1, 1,  0, 0, 0, 0,  1, 0, 0, 0],     # the continuation sees the whole verify row
+        [1, 1, 1, 1,  0, 0, 0, 0,  1, 1, 1, 1],
+        [1, 1, 1, 1,  0, 0, 0, 0,  1, 1, 1, 1],
+        [1, 1, 1, 1,  0, 0, 0, 0,  1, 1, 1, 1]])
+    assert torch.equal(overlap["mask"][0].int(), want)
+
+
+def test_correction_hit_carries_the_branch_draft():
+    # The verifier accepts d1 = 3, rejects d2 = 5 and emits 6 = alt_2: correction 2 is hit.
+    _, _, out = run_round(target(3, 6, 0, 0))
+    assert out.n_emitted.tolist() == [2] and out.emitted[0, :2].tolist() == [3, 6]
+    h = out.host[0].tolist()
+    assert (h[H_RISKY], h[H_WANTED], h[H_COVERED:H_COVERED + 3], h[H_HIT], h[H_SLOTS]) == \
+        (1, 2, [1, 0, 0], 1, 2)
+    assert out.carry["valid"].tolist() == [1]
+    assert out.carry["drafts"].tolist() == [[2, 4, 8, 0]]      # the correction branch's drafts
+
+
+def test_wrong_alternative_is_no_hit():
+    _, _, out = run_round(target(3, 8, 0, 0))                   # emits 8, not alt_2 = 6
+    assert out.host[0, H_HIT].item() == 0 and out.carry["valid"].tolist() == [0]
+    assert out.host[0, H_COVERED:H_COVERED + 3].tolist() == [0, 0, 0]
+
+
+def test_full_acceptance_with_the_guessed_bonus_hits_the_continuation():
+    _, _, out = run_round(target(3, 5, 7, 1))                   # all accepted, bonus 1 == d4
+    assert out.n_emitted.tolist() == [4] and out.emitted[0].tolist() == [3, 5, 7, 1]
+    assert out.host[0, H_COVERED:H_COVERED + 3].tolist() == [0, 1, 0]     # slot 1: continuation
+    assert out.carry["drafts"].tolist() == [[1, 2, 3, 4]]
+
+
+def test_full_acceptance_with_another_bonus_is_no_hit():
+    _, _, out = run_round(target(3, 5, 7, 2))
+    assert out.carry["valid"].tolist() == [0]
+
+
+def test_a_hit_round_verifies_the_carried_draft_in_one_forward():
+    _, _, first = run_round(target(3, 6, 0, 0))
+    carry = first.carry
+    _, step, out = run_round(target(2, 4, 8, 3), variant="hit2", carry=carry)
+    assert len(step.calls) == 1                                 # no draft forward
+    assert step.calls[0]["ids"][0, :4].tolist() == [4, 2, 4, 8]  # seed + the carried drafts
+    assert out.n_emitted.tolist() == [4]
+
+
+def test_likelihood_policy_ranks_branches_by_the_drafters_probabilities():
+    m = RecGuide(block=4, policy="likelihood")
+    prob = torch.tensor([[0.9, 0.45, 0.9, 0.8]])
+    alt_prob = torch.tensor([[0.01, 0.40, 0.02, 0.05]])
+    margin = torch.tensor([[0.8, 0.05, 0.8, 0.7]])
+    idx, cont, wanted, c = m.candidates(FakeStep([], 4), torch.tensor([4]), margin, prob,
+                                        alt_prob, torch.tensor([1]))
+    # correction at d2: 1 · 0.40 = 0.40; continuation: 0.45 · 0.9 · 0.8 = 0.324;
+    # correction at d3: 0.45 · 0.02 = 0.009 (d1 is exact in fastspec's convention: never a branch)
+    assert cont[0].tolist() == [False, True, False]
+    assert idx[0, 0].item() == 1 and idx[0, 2].item() == 2
+    assert wanted[0].tolist() == [True, True, True]
+
+
+# --- on a model ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def drafter():
+    t = tiny_loaded(seed=5)
+    attach_adapter(t.model, AdapterConfig(rank=4), seed=5)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for blk in t.model.layers:
+            for lora in blk.attn.lora.values():
+                lora.B.copy_(0.1 * torch.randn(lora.B.shape, generator=g))
+    t.model.requires_grad_(False)
+    return t
+
+
+def prompts(n, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randrange(1, 30))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("convention", [FASTSPEC, NLD], ids=["fastspec", "nld"])
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_a_branch_drafts_exactly_what_the_next_rounds_draft_forward_would(drafter, convention, p):
+    """Correction branch at p inside the verify forward == the draft forward of the next round
+    after the verifier commits `s d1 .. d(p-1)` and emits alt_p (same logits)."""
+    model = drafter.model
+    model.draft_convention = convention
+    try:
+        engine = Engine(drafter, backend="eager")
+        engine.prepare(1, 64)
+        c = engine.cache
+        prefix = torch.tensor([[11, 12, 13, 14, 15]])
+        c.lengths.zero_()
+        engine.forward(prefix, causal_block(5))
+        c.lengths[0] = 5
+        n = 8
+        verify = torch.tensor([[20, 21, 22, 23, 24, 25, 26, 27]])
+        alt = torch.tensor([99])
+        slot = torch.tensor([0])
+        step = Step(model, c.k, c.v, c.lengths[:1].clone(), slot, SamplerState(1), n)
+        ids, mask, adapter, rel = RecGuide.overlap_layout(
+            step, verify, torch.tensor([n]), [torch.tensor([p])], [alt], [torch.tensor([True])])
+        branch = step.forward(ids, mask, adapter_on=adapter, rel_positions=rel)[:, n:]
+        # The next round: s d1 .. d(p-1) committed, alt_p is its seed.
+        c.lengths[0] = 5 + p
+        nxt = Step(model, c.k, c.v, c.lengths[:1].clone(), slot, SamplerState(1), n)
+        fresh = RecGuide(block=n).draft(nxt, alt, torch.tensor([n]))[2]
+        from fastspec.convention import aligned_draft_logits
+        got = aligned_draft_logits(convention, branch, model.mask_token_id)
+        assert torch.allclose(got, fresh, atol=1e-4), (got - fresh).abs().max()
+    finally:
+        model.draft_convention = None
+
+
+@pytest.mark.parametrize("branches", [0, 1, 3, "gate"])
+@pytest.mark.parametrize("concurrency", [1, 3, 8])
+def test_greedy_recguide_equals_ar(drafter, branches, concurrency):
+    engine = Engine(drafter, backend="eager")
+    ps = prompts(8, seed=concurrency)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ar = engine.generate(ps, params, method="ar", concurrency=concurrency)
+    for policy in ("reference", "likelihood"):
+        out = engine.generate(ps, params, method=RecGuide(block=8, branches=branches, policy=policy),
+                              concurrency=concurrency)
+        assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+
+
+class MixedBlocks(RecGuide):
+    """Requests in blocks of 4, 8 and 16, bucketed by size, with branches."""
+
+    def __init__(self):
+        super().__init__(block=16, branches=2)
+
+    def block_for(self, seq):
+        return (4, 8, 16)[seq.index % 3]
+
+    def plan(self, seq):
+        p = super().plan(seq)
+        return type(p)(seq.block, p.variant)
+
+    def plans(self):
+        return [type(p)(b, p.variant) for p in super().plans() for b in (4, 8, 16)]
+
+
+def test_greedy_recguide_with_mixed_block_sizes_and_bucketing_equals_ar(drafter):
+    engine = Engine(drafter, backend="eager")
+    ps = prompts(9, seed=4)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    ar = engine.generate(ps, params, method="ar", concurrency=6)
+    out = engine.generate(ps, params, method=MixedBlocks(), concurrency=6)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    widths = {k.block for k in engine.runner.stats() if k.method.startswith("recguide")}
+    assert widths == {4, 8, 16}
+
+
+# --- a model whose drafts are often right: hits happen -------------------------------------
+def copy_model(vocab=32, scale=3.0):
+    """Each token mostly predicts itself (embeddings nearly orthogonal, attention averages the
+    prefix), and a MASK (zero embedding) predicts what the prefix repeats: drafts are accepted
+    and branches are hit, and sampling still has room to disagree."""
+    t = tiny_loaded(seed=3, layers=1, vocab_size=vocab)
+    m = t.model
+    attach_adapter(m, AdapterConfig(rank=2), seed=3)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        d = m.cfg.hidden_size
+        m.embed.copy_(torch.randn(vocab, d, generator=g) * scale / d ** 0.5)
+        blk = m.layers[0]
+        blk.attn.wqkv.zero_()
+        q = m.cfg.num_heads * m.cfg.head_dim
+        kv = m.cfg.num_kv_heads * m.cfg.head_dim
+        blk.attn.wqkv[q + kv:] = torch.eye(kv, d)
+        blk.attn.wo.zero_()
+        for h in range(m.cfg.num_heads):               # every head reads its kv group's values
+            grp = h // (m.cfg.num_heads // m.cfg.num_kv_heads)
+            blk.attn.wo[grp * m.cfg.head_dim:(grp + 1) * m.cfg.head_dim,
+                        h * m.cfg.head_dim:(h + 1) * m.cfg.head_dim] = torch.eye(m.cfg.head_dim) / 2
+        blk.mlp.w_down.zero_()
+        m.mask_embed.zero_()
+        for norm in (blk.attn_norm, blk.mlp_norm, m.norm):
+            norm.weight.fill_(1.0)
+    m.requires_grad_(False)
+    return t
+
+
+def test_hits_happen_on_a_predictable_model_and_output_stays_ar():
+    t = copy_model()
+    engine = Engine(t, backend="eager")
+    ps = [[5, 6, 7, 7, 7], [9, 9, 9], [3, 4, 3, 4]]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    ar = engine.generate(ps, params, method="ar")
+    m = RecGuide(block=8, branches=3)
+    out = engine.generate(ps, params, method=m)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    rep = m.report()
+    assert rep["reused"] > 0
+    # A hit round is one forward: forwards per request < 2 per round.
+    assert sum(c.forwards for c in out) < sum(2 * c.rounds + 1 for c in out)
+
+
+def exact_pair_law(engine, prompt, first: int, second: int, depth: int):
+    """P(x_first, x_second) of AR sampling at temperature 1, by enumerating every continuation
+    up to `depth` tokens (the vocab is tiny)."""
+    V = engine.cfg.vocab_size
+    engine.prepare(1, len(prompt) + depth + 1)
+    c = engine.cache
+    law = torch.zeros(V, V)
+
+    def visit(tokens, p):
+        if len(tokens) == depth:
+            law[tokens[first], tokens[second]] += p
+            return
+        ids = prompt + tokens
+        c.lengths.zero_()
+        probs = torch.softmax(engine.forward(torch.tensor([ids]), causal_block(len(ids)))[0, -1], -1)
+        for x in range(V):
+            visit(tokens + [x], p * probs[x].item())
+
+    visit([], 1.0)
+    return law
+
+
+def test_sampled_recguide_preserves_the_target_distribution():
+    """The joint law of the 4th and 5th sampled tokens (past the first round, where carried
+    branch drafts are verified): RecGuide's empirical law approaches AR's exact law, the TV
+    distance shrinking with the sample count."""
+    V = 4
+    t = copy_model(vocab=V, scale=0.5)
+    engine = Engine(t, backend="eager")
+    prompt = [0, 1, 0, 1, 0]
+    exact = exact_pair_law(engine, prompt, 3, 4, 5)
+    m = RecGuide(block=4, branches=3, policy="likelihood")
+    counts, tv, reused, seed = torch.zeros(V, V), [], 0, 0
+    for n in (400, 3200):
+        params = [SamplingParams(temperature=1.0, max_new_tokens=5, seed=s, ignore_eos=True)
+                  for s in range(seed, seed + n)]
+        seed += n
+        for c in engine.generate([prompt] * n, params, method=m, concurrency=16):
+            counts[c.token_ids[3], c.token_ids[4]] += 1
+        reused += m.report()["reused"]
+        tv.append(0.5 * (counts / counts.sum() - exact).abs().sum().item())
+    assert reused > 300                                 # carried drafts were verified
+    assert tv[1] < tv[0] and tv[1] < 0.045, tv
+
+
+def test_carried_state_survives_rounds_and_is_cleared_on_admit_and_retire():
+    t = copy_model()
+    engine = Engine(t, backend="eager")
+    seen_valid = []
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    ps = [[5, 6, 7, 7, 7], [9, 9, 9], [3, 4, 3, 4], [8, 8]]
+
+    def watch(index, tokens, n_drafted):
+        seen_valid.append(engine.carry["valid"][:2].clone())
+
+    m = RecGuide(block=8, branches=3)
+    engine.generate(ps, params, method=m, concurrency=2, on_commit=watch)
+    assert any(v.any() for v in seen_valid)            # a pre-draft was carried between rounds
+    # Every request retired: no slot keeps a pre-draft or a committed length.
+    assert not engine.carry["valid"].any() and not engine.cache.lengths.any()
+    # A newly admitted request never inherits its slot's old pre-draft.
+    engine.carry["valid"][0] = 1
+    engine.carry["drafts"][0] = 7
+    engine.clear_slot(0)
+    assert engine.carry["valid"][0] == 0 and not engine.carry["drafts"][0].any()
