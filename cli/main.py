@@ -47,6 +47,77 @@ def sampling_options(fn):
     return fn
 
 
+def recguide_options(fn):
+    """Flags that set RecGuide's options (and its ablations) for every `recguide` in --method; a
+    spec's own brackets win: --method 'linear,recguide[corr=1;cont=0],recguide'."""
+    opts = [
+        click.option("--branches", default=None, help="RecGuide branch slots: gate (the cost gate "
+                     "picks per round, default) or a fixed count 0..3."),
+        click.option("--max-corrections", type=click.IntRange(0, 2), default=None,
+                     help="RecGuide correction branches at most (default 2)."),
+        click.option("--no-continuation", is_flag=True, help="RecGuide: no continuation branch."),
+        click.option("--branch-policy", type=click.Choice(["reference", "likelihood"]), default=None,
+                     help="RecGuide: which branches (the paper's risk policy, or by hit likelihood)."),
+        click.option("--risk-threshold", type=click.FloatRange(0, 1), default=None,
+                     help="RecGuide: a draft position is risky when 1 − (p1 − p2) exceeds this (0.5)."),
+        click.option("--adaptive-blocks", default=None,
+                     help="RecGuide: per-request block sizes chosen each round from this set, e.g. "
+                          "8,16,32 (default: --block, fixed)."),
+        click.option("--tables", type=click.Path(dir_okay=False), default=None,
+                     help="RecGuide survival tables (default profiles/<model>-survival.json if present)."),
+        click.option("--no-signal", is_flag=True, help="RecGuide ablation: ignore the history signal s_t."),
+        click.option("--no-stratum", is_flag=True, help="RecGuide ablation: ignore the stratum z_t."),
+        click.option("--no-bucketing", is_flag=True,
+                     help="RecGuide ablation: one step at the widest block instead of one per block size."),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+def with_recguide_options(methods: str, model: str, branches=None, max_corrections=None,
+                          no_continuation=False, branch_policy=None, risk_threshold=None,
+                          adaptive_blocks=None, tables=None, no_signal=False, no_stratum=False,
+                          no_bucketing=False) -> str:
+    """Fold the RecGuide flags into every `recguide` of the --method list as bracket options."""
+    from fastspec.evals.runner import split_methods
+    from fastspec.methods import parse_method_spec
+    opts = {}
+    if branches is not None:
+        opts["branches"] = branches
+    if max_corrections is not None:
+        opts["corr"] = max_corrections
+    if no_continuation:
+        opts["cont"] = 0
+    if branch_policy:
+        opts["policy"] = branch_policy
+    if risk_threshold is not None:
+        opts["t"] = risk_threshold
+    if adaptive_blocks:
+        opts["blocks"] = "/".join(str(b) for b in parse_int_list(adaptive_blocks, "--adaptive-blocks"))
+    for flag, key in ((no_signal, "signal"), (no_stratum, "stratum"), (no_bucketing, "bucketing")):
+        if flag:
+            opts[key] = 0
+    if tables:
+        if not os.path.isfile(tables):
+            raise FastspecError(f"--tables {tables}: no such file")
+        opts["tables"] = tables
+    elif adaptive_blocks or "blocks=" in methods:
+        from fastspec.cli.calibrate import default_tables_path
+        default = default_tables_path(model)
+        if os.path.isfile(default):
+            opts["tables"] = default
+    out = []
+    for spec in split_methods(methods):
+        name, own = parse_method_spec(spec)
+        if name == "recguide" and opts:
+            merged = {**opts, **{k: v for k, v in (i.split("=", 1) for i in
+                                                   spec[len(name) + 1:-1].split(";") if "=" in i)}}
+            spec = "recguide[" + ";".join(f"{k}={v}" for k, v in merged.items()) + "]"
+        out.append(spec)
+    return ",".join(out)
+
+
 def load_engine(model: str, dtype: str, backend: str, adapter: str = "auto", device: str = "auto"):
     """The model on --device (auto: the GPU when there is one) in --dtype, behind an Engine whose
     steps run on --backend (auto: CUDA graphs on a GPU)."""
@@ -176,6 +247,7 @@ def chat(model, dtype, device, adapter, backend, max_new_tokens, temperature, to
               help="Also run transformers on the same weights and prompts: hf (generate), "
                    "hf-pld (prompt-lookup assisted generation); comma-separated.")
 @click.option("--no-baseline", is_flag=True, help="Do not run AR as the reference.")
+@recguide_options
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
               help="Write every per-request record, the metrics and the environment to this JSON file.")
 @click.option("--plot", "plot_from", type=click.Path(dir_okay=False), default=None,
@@ -183,7 +255,7 @@ def chat(model, dtype, device, adapter, backend, max_new_tokens, temperature, to
 @user_errors(interrupted="interrupted: every finished (method, concurrency) run is in the --json file")
 def bench(model, dtype, device, adapter, backend, suite, benches, prompts_file, limit, methods, blocks,
           concurrency, max_new_tokens, temperature, top_p, top_k, seed, data_dir, peers, no_baseline,
-          json_out, plot_from):
+          json_out, plot_from, **recguide):
     """Benchmark decoding methods: τ, tokens/forward, tokens/s, speedup over AR, accuracy.
 
     \b
@@ -198,10 +270,16 @@ def bench(model, dtype, device, adapter, backend, suite, benches, prompts_file, 
         out_dir = os.path.splitext(plot_from)[0] + "_plots"
         for path in write_plots(plot_from, out_dir):
             console.print(f"wrote {path}")
+        from fastspec.evals.recguide_report import plot_throughput
+        from fastspec.evals.report import load_results
+        res = load_results(plot_from)
+        if (path := plot_throughput(res["runs"], res["records"], out_dir)) is not None:
+            console.print(f"wrote {path}")
         return
     if max_new_tokens is not None and max_new_tokens < 1:
         raise FastspecError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     from fastspec.evals.runner import run_bench
+    methods = with_recguide_options(methods, model, **recguide)
     run_bench(model=model, dtype=dtype, device=device, adapter=adapter, backend=backend,
               max_new_tokens=max_new_tokens,
               temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, suite=suite,
@@ -235,10 +313,12 @@ def speed(model, device, dtype, backend, new_tokens, batches, ns, context, no_hf
 
 
 def _register_commands() -> None:
+    from fastspec.cli.calibrate import calibrate
     from fastspec.cli.profile import profile
     from fastspec.cli.train import train_drafter
     cli.add_command(train_drafter)
     cli.add_command(profile)
+    cli.add_command(calibrate)
 
 
 _register_commands()

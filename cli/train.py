@@ -1,8 +1,7 @@
 """`fastspec train-drafter`: self-distill targets, then train the draft adapter on them.
 
     fastspec train-drafter                        # SmolLM2-135M, GSM8K train + built-in prompts
-    fastspec train-drafter --minutes 240 --max-prompts 3000 \
-        --train-data ../shared/data/train/gsm8k_train.jsonl:0.4,../shared/data/train/code_instructions.jsonl:0.3
+    fastspec train-drafter --minutes 240 --max-prompts 3000 --train-data gsm8k_train.jsonl:0.4,code.jsonl:0.3
     fastspec train-drafter --init-adapter fastspec/adapters/smollm2-135m/draft --out DIR  # warm start
 
 The adapter lands where `load_model` looks for it (`fastspec/adapters/<name>/draft` for built-in

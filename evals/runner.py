@@ -60,14 +60,27 @@ def check_blocks(methods: list[str], blocks: list[int]) -> None:
             get_method(name, block=b)          # raises the method's own one-line error
 
 
+def split_methods(methods: str) -> list[str]:
+    """Split a --method list on commas outside brackets: `ar,recguide[corr=1;cont=0]`."""
+    out, depth, cur = [], 0, ""
+    for ch in methods:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return [m for m in out + [cur.strip()] if m]
+
+
 def parse_methods(methods: str, blocks: list[int], baseline: bool) -> list[tuple[str, str, int | None]]:
     """[(label, method, block)]: AR first as the reference; a block sweep labels `linear@16`."""
-    from fastspec.methods import METHODS
-    names = list(dict.fromkeys(m.strip() for m in methods.split(",") if m.strip()))
+    from fastspec.methods import METHODS, parse_method_spec
+    names = list(dict.fromkeys(split_methods(methods)))
     if not names:
         raise FastspecError("--method needs at least one method")
     for n in names:
-        if n not in METHODS:
+        if parse_method_spec(n)[0] not in METHODS:
             raise FastspecError(f"unknown method {n!r} (available: {', '.join(METHODS)})")
     check_blocks(names, blocks)
     if baseline and "ar" not in names:
@@ -214,7 +227,7 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", max_new_t
             write_json(json_out, {"environment": env, "runs": runs, "metrics": metrics(records, runs),
                                   "records": [asdict(r) for r in records]})
 
-    def add(label, c, completions, stats, warm, bucket, which, errors):
+    def add(label, c, completions, stats, warm, bucket, which, errors, method_report=None):
         """Records of one run: completions[j] answers items[which[j]]; errors: {item: message}."""
         for comp in completions:
             i, it = which[comp.index], items[which[comp.index]]
@@ -235,7 +248,8 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", max_new_t
         if completions:
             runs.append({"method": label, "concurrency": c, "batch_bucket": bucket, "warmup_s": warm,
                          **asdict(stats), "tokens_per_s": stats.tokens_per_s,
-                         "tokens_per_forward": stats.tokens_per_forward, "errors": len(errors)})
+                         "tokens_per_forward": stats.tokens_per_forward, "errors": len(errors),
+                         **({"method_report": method_report} if method_report else {})})
         save()
 
     for c in levels:
@@ -255,7 +269,9 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", max_new_t
                         bucket = batch_bucket(min(c, len(which)))
                     except FastspecError as e:       # the run as a whole failed: it is reported
                         errors.update({i: str(e) for i in which})
-                add(label + tag, c, out, stats, warm, bucket, which, errors)
+                meth = eng.method(method, block) if method != "ar" else None
+                report = meth.report() if out and hasattr(meth, "report") else None
+                add(label + tag, c, out, stats, warm, bucket, which, errors, report)
     if peer_names:
         from fastspec.evals.peers import run_hf_peers
         which = [i for i, ids in enumerate(prompt_ids) if _too_long(engine, "ar", None, ids, base) is None]
@@ -270,6 +286,9 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", max_new_t
         raise FastspecError(f"no request could run: {failed[0].error}")
     m = metrics(records, runs)
     print_report(console, m)
+    from fastspec.evals.recguide_report import print_tables
+    block_list = parse_int_list(blocks, "--block")
+    print_tables(console, runs, records, block_list[0] if len(block_list) == 1 else None)
     by_error: dict[str, list[str]] = {}
     for r in failed:
         by_error.setdefault(r.error, []).append(f"{r.bench}/{r.problem_id} {r.method} C={r.concurrency}")

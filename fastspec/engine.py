@@ -91,7 +91,9 @@ class RunStats:
 
     request_forwards: int = 0       # summed over requests: forwards each request took part in
     warmup_s: float = 0.0           # compiling / capturing this run's step before timing started
-    recompiles: int = 0             # compilations after the warm-up (a replay must never compile)
+    recompiles: int = 0             # compilations of steps already built (a replay must never compile)
+    lazy_compiles: int = 0          # first builds of steps the warm-up did not cover (a new bucket
+                                    # as requests split or drain): timed as warm-up, not decoding
 
     @property
     def tokens_per_forward(self) -> float:
@@ -195,7 +197,7 @@ class Engine:
         self.carry: dict[str, torch.Tensor] = {}
         self._carry_specs: dict = {}
         self.last_rounds: list = []
-        # Measured ms of each method's steps: {method key: {(rows, variant): EMA ms}}.
+        # Measured ms of each method's steps: {method key: {(rows, width, variant): EMA ms}}.
         self.step_ms: dict[str, dict[tuple[int, str], float]] = {}
         self._round_fns: dict[tuple, Callable] = {}
 
@@ -328,7 +330,7 @@ class Engine:
         """The method instance for (name, block), kept so its compiled steps are reused."""
         if isinstance(name, Method):
             return name
-        key = (name, block)
+        key = (name, block)           # name may carry options: recguide[corr=1;cont=0]
         if key not in self._methods:
             self._methods[key] = get_method(name, **({} if block is None else {"block": block}))
         return self._methods[key]
@@ -390,8 +392,8 @@ class Engine:
         if self.runner.total_compiles() == compiles:   # measured step times feed the planners
             ms = (time.perf_counter() - t0) * 1e3
             times = self.step_ms.setdefault(meth.key_name(), {})
-            old = times.get((rows, plan.variant))
-            times[(rows, plan.variant)] = ms if old is None else 0.8 * old + 0.2 * ms
+            old = times.get((rows, width, plan.variant))
+            times[(rows, width, plan.variant)] = ms if old is None else 0.8 * old + 0.2 * ms
         emitted, n_emitted, n_drafted, lengths, counter, next_pending, host = outs[:7]
         ncarry = len(self.carry)
         c.lengths.index_copy_(0, slot_t, lengths)
@@ -439,7 +441,8 @@ class Engine:
         self.prepare(C, max(len(s.prompt_ids) + s.params.max_new_tokens for s in seqs), meth)
         c = self.cache
         c.lengths.zero_()
-        compiles_before = self.runner.total_compiles()
+        compiled_before = {k: v["compiles"] + v.get("captures", 0)
+                           for k, v in self.runner.stats().items()}
         compile_s_before = self.runner.total_compile_s()
         stats = self.stats = RunStats(requests=len(seqs))
         sched = Scheduler(seqs, C)
@@ -528,7 +531,12 @@ class Engine:
         stats.wall_s -= lazy_s
         stats.decode_s -= lazy_s
         stats.warmup_s = self.warmup_s + lazy_s
-        stats.recompiles = self.runner.total_compiles() - compiles_before
+        for k, v in self.runner.stats().items():
+            n = v["compiles"] + v.get("captures", 0)
+            if k in compiled_before and compiled_before[k] > 0:
+                stats.recompiles += n - compiled_before[k]
+            else:
+                stats.lazy_compiles += n
         stats.new_tokens = sum(len(s.output_ids) for s in seqs)
         stats.request_forwards = sum(s.forwards for s in seqs)
         self.last_stats = stats

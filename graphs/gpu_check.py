@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny model (dry run of the code path)")
     ap.add_argument("--methods", default=",".join(METHODS), help="methods whose round steps to check")
     ap.add_argument("--blocks", default="8", help="block sizes of the speculative methods")
-    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--sampling", default="greedy,filtered", help=f"among {', '.join(SAMPLINGS)}")
     ap.add_argument("--context", type=int, default=512, help="prompt length (about) and profile context")
     ap.add_argument("--new-tokens", type=int, default=32)

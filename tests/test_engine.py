@@ -63,10 +63,13 @@ class GarbageThenAR(AR):
     """AR, but every round first writes K/V for 6 random tokens it never commits."""
     name = "garbage-then-ar"
 
-    def round(self, step, pending, blocks):
+    def max_width(self):
+        return 6                                        # the cache keeps room for the garbage
+
+    def round(self, step, pending, blocks, carry, variant=""):
         garbage = (pending[:, None] * 7 + torch.arange(6)) % 500 + 3
         step.forward(garbage, causal_block(6))          # lands after every slot's prefix
-        return super().round(step, pending, blocks)
+        return super().round(step, pending, blocks, carry, variant)
 
 
 def test_uncommitted_speculative_kv_leaves_later_outputs_unchanged(tiny):

@@ -348,3 +348,46 @@ def test_carried_state_survives_rounds_and_is_cleared_on_admit_and_retire():
     engine.carry["drafts"][0] = 7
     engine.clear_slot(0)
     assert engine.carry["valid"][0] == 0 and not engine.carry["drafts"][0].any()
+
+
+class FixedCosts(RecGuide):
+    """Round times from a fixed cost model instead of the (noisy) measured ones."""
+
+    def ms(self, rows, block, variant):
+        return 10.0 + 0.2 * block + (0.0 if variant.startswith("hit") else 8.0)
+
+
+@pytest.mark.parametrize("concurrency", [1, 2, 5, 8])
+def test_adaptive_block_sizes_follow_the_verifier_and_stay_lossless(concurrency):
+    """Blocks chosen per request per round from {4, 8, 16}: a model whose drafts are accepted
+    grows its blocks; outputs equal AR at every concurrency, bucketed by block size."""
+    t = copy_model()
+    engine = Engine(t, backend="eager")
+    rng = random.Random(concurrency)
+    ps = [[rng.randrange(3, 32) for _ in range(rng.randrange(2, 9))] for _ in range(8)]
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    ar = engine.generate(ps, params, method="ar", concurrency=concurrency)
+    m = FixedCosts(block=4, blocks=(4, 8, 16), branches=0)
+    out = engine.generate(ps, params, method=m, concurrency=concurrency)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    share = m.report()["block_share"]
+    assert share.get(16, 0) > 0.3, share                   # long blocks once drafting goes well
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "filtered"])
+def test_compiled_recguide_rounds_equal_eager_rounds(drafter, sampling):
+    """Every RecGuide step (draft / hit variants, each branch layout) traced and compiled
+    (aot_eager: the same graphs inductor or a CUDA graph would get) equals eager, no recompiles."""
+    params = (SamplingParams(max_new_tokens=20, ignore_eos=True) if sampling == "greedy" else
+              SamplingParams(temperature=0.9, top_k=20, top_p=0.95, max_new_tokens=20, seed=3,
+                             ignore_eos=True))
+    ps = prompts(3, seed=11)
+    t = copy_model()
+    for model in (drafter, t):
+        ref = Engine(model, backend="eager").generate(ps, params, method=RecGuide(block=4, branches=2),
+                                                      concurrency=3)
+        engine = Engine(model, backend="compile", compiler="aot_eager")
+        out = engine.generate(ps, params, method=RecGuide(block=4, branches=2), concurrency=3)
+        assert [c.token_ids for c in out] == [c.token_ids for c in ref]
+        assert [c.accept_lengths for c in out] == [c.accept_lengths for c in ref]
+        assert engine.last_stats.recompiles == 0

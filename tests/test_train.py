@@ -315,6 +315,15 @@ def test_targets_are_greedy_and_cached(distilled, monkeypatch):
     assert [e.target_ids for e in again] == [e.target_ids for e in examples]
 
 
+def test_target_cache_survives_a_torn_last_line(tmp_path):
+    """A run killed mid-write leaves half a line; the next run's lines still parse."""
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"key": "abc", "target_ids": [1, 2')
+    ex = build_targets(tiny_loaded(), [[5, 6, 7], [8, 9]], 6, path, concurrency=2, progress=False,
+                       backend="eager")
+    assert len(read_target_cache(path)) == 2 and [len(e.target_ids) for e in ex] == [6, 6]
+
+
 def test_training_prompts_mix(tmp_path):
     from fastspec.train.data import GENERAL_PROMPTS
     n_gen = len(GENERAL_PROMPTS)

@@ -12,12 +12,50 @@ from fastspec.methods.recguide import RecGuide
 METHODS: dict[str, type[Method]] = {"ar": AR, "linear": LinearSS, "recguide": RecGuide}
 
 
+# Short option names a method spec may use: `recguide[corr=1;cont=0;blocks=8/16/32]`.
+ALIASES = {"corr": "max_corrections", "cont": "continuation", "t": "threshold",
+           "signal": "use_signal", "stratum": "use_stratum"}
+
+
+def parse_method_spec(spec: str) -> tuple[str, dict]:
+    """`name[key=value;key=value]` -> (name, options). Values: ints, floats, 0/1 for flags,
+    `8/16/32` for tuples, strings otherwise."""
+    spec = spec.strip()
+    if "[" not in spec:
+        return spec, {}
+    if not spec.endswith("]"):
+        raise FastspecError(f"method spec {spec!r}: options go in brackets, name[key=value;...]")
+    name, body = spec[:-1].split("[", 1)
+    options = {}
+    for item in filter(None, (x.strip() for x in body.split(";"))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise FastspecError(f"method spec {spec!r}: {item!r} is not key=value")
+        key = ALIASES.get(key.strip(), key.strip())
+        value = value.strip()
+        if "/" in value:
+            options[key] = tuple(int(v) for v in value.split("/"))
+        else:
+            for cast in (int, float):
+                try:
+                    value = cast(value)
+                    break
+                except ValueError:
+                    pass
+            options[key] = value
+    return name.strip(), options
+
+
 def get_method(name: str | Method, **options) -> Method:
     if isinstance(name, Method):
         return name
+    name, spec_options = parse_method_spec(name)
     if name not in METHODS:
         raise FastspecError(f"unknown method {name!r} (available: {', '.join(METHODS)})")
-    return METHODS[name](**options)
+    try:
+        return METHODS[name](**{**options, **spec_options})
+    except TypeError as e:
+        raise FastspecError(f"method {name!r}: {e}") from None
 
 
-__all__ = ["METHODS", "Method", "RoundOutput", "get_method"]
+__all__ = ["METHODS", "Method", "RoundOutput", "get_method", "parse_method_spec"]

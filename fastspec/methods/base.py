@@ -48,7 +48,7 @@ class RunInfo:
     concurrency: int
     rows: int                                   # the batch bucket of a full batch
     eos_ids: set
-    step_ms: dict                               # (rows, variant) -> measured ms of that step
+    step_ms: dict                               # (rows, width, variant) -> measured ms
 
 
 class Method:

@@ -40,6 +40,7 @@ from fastspec.layout import causal_block
 from fastspec.methods.base import CarrySpec, Plan, RoundOutput
 from fastspec.methods.linear import BLOCK_SIZES, LinearSS, draft_stats
 from fastspec.sampling import filtered_logprobs, sample_from_logprobs
+from fastspec.survival import SurvivalTables, choose_block, history_signal, stratum
 from fastspec.verify import accept_chain
 
 STREAM_BRANCH = 16              # + slot: the random stream of a branch's sampled drafts
@@ -56,16 +57,32 @@ class RecGuide(LinearSS):
 
     def __init__(self, block: int = 8, threshold: float = 0.5, max_corrections: int = 2,
                  continuation: bool = True, branches: str | int = "gate", prior_hits: float = 0.3,
-                 policy: str = "reference"):
-        """branches: "gate" (the cost gate picks the slot count each round) or a fixed count.
-        prior_hits: the hit rate assumed for a slot before any round is observed."""
+                 policy: str = "reference", blocks: tuple[int, ...] | None = None,
+                 tables: SurvivalTables | str | None = None, objective: str = "ratio", rho: float = 0.0,
+                 use_signal: bool = True, use_stratum: bool = True, bucketing: bool = True):
+        """block: the (starting) block size. blocks: the set each request chooses from per round
+        (None: `block` only, fixed). tables: survival tables (None: a geometric cold start from
+        the history signal). branches: "gate" (the cost gate picks the slot count each round) or
+        a fixed count. prior_hits: the hit rate assumed for a slot before any round is observed.
+        use_signal / use_stratum / bucketing: the ablation steps of the adaptive block size."""
         super().__init__(block)
+        blocks = (blocks,) if isinstance(blocks, int) else blocks
+        self.blocks = tuple(sorted(set(blocks or (block,))))
+        if branches != "gate" and not isinstance(branches, int):
+            raise FastspecError(f"--branches must be gate or a count, got {branches!r}")
+        bad = [b for b in self.blocks if b not in BLOCK_SIZES]
+        if bad:
+            raise FastspecError(f"--blocks must be among {BLOCK_SIZES}, got {bad}")
+        if block not in self.blocks:
+            raise FastspecError(f"--block {block} must be one of --blocks {self.blocks}")
         if not 0 <= max_corrections <= 2:
             raise FastspecError(f"--max-corrections must be 0, 1 or 2, got {max_corrections}")
         if not 0 <= threshold <= 1:
             raise FastspecError(f"--risk-threshold must be in [0, 1], got {threshold}")
         if policy not in ("reference", "likelihood"):
             raise FastspecError(f"--branch-policy must be reference or likelihood, got {policy!r}")
+        if objective not in ("ratio", "penalty"):
+            raise FastspecError(f"--block-objective must be ratio or penalty, got {objective!r}")
         self.policy = policy
         self.threshold = threshold
         self.max_corrections = max_corrections
@@ -75,43 +92,56 @@ class RecGuide(LinearSS):
             raise FastspecError(f"--branches must be gate or 0..{self.max_slots}, got {branches}")
         self.branches = branches
         self.prior_hits = prior_hits
+        if isinstance(tables, str):
+            tables = SurvivalTables.load(tables)
+        self.tables, self.objective, self.rho = tables, objective, rho
+        self.use_signal, self.use_stratum = bool(use_signal), bool(use_stratum)
+        self.bucketing = bool(bucketing)
+        self.continuation = bool(continuation)
         self.eos_ids: tuple[int, ...] = ()
-        self.reset_stats()
+        self.step_ms: dict = {}
+        self.rows = 1
+        self.begin(None)
 
     # --- host side --------------------------------------------------------------------------
     def key_name(self) -> str:
         return (f"recguide({self.policy},t={self.threshold},corr={self.max_corrections},"
-                f"cont={int(self.continuation)})")
+                f"cont={int(self.continuation)},blocks={'/'.join(map(str, self.blocks))},"
+                f"bucketing={int(self.bucketing)})")
 
-    def reset_stats(self) -> None:
+    def begin(self, run) -> None:
+        if run is not None:
+            self.eos_ids = tuple(sorted(run.eos_ids))
+            self.step_ms = run.step_ms
+            self.rows = run.rows
         # Counterfactual hit counts per slot: slot j's wanted branch matched the outcome.
         self.slot_covered = [0] * 3
         self.slot_trials = [0] * 3
         self.table3 = {"rounds": 0, "proposed": 0, "laid_out": 0, "covered": 0, "reused": 0}
-        self.decisions: dict[int, int] = {}          # slots laid out -> rounds
-        self.step_ms: dict[tuple[int, str], float] = {}
+        self.decisions: dict[int, int] = {}          # branch slots laid out -> rounds
+        self.block_choices: dict[int, int] = {}      # block size -> rounds (Table 4)
 
-    def begin(self, run) -> None:
-        self.eos_ids = tuple(sorted(run.eos_ids))
-        self.step_ms = run.step_ms
-        self.rows = run.rows
-        for k in ("slot_covered", "slot_trials"):
-            setattr(self, k, [0] * 3)
-        self.table3 = {"rounds": 0, "proposed": 0, "laid_out": 0, "covered": 0, "reused": 0}
-        self.decisions = {}
+    def slot_counts(self) -> list[int]:
+        return list(range(self.max_slots + 1)) if self.branches == "gate" else [int(self.branches)]
 
     def plans(self) -> list[Plan]:
-        slots = range(self.max_slots + 1) if self.branches == "gate" else [int(self.branches)]
-        return [Plan(self.block, f"{v}{k}") for k in slots for v in ("draft", "hit")]
+        """The steps warmed before timing: every block's plain round, and every branch layout of
+        the starting block (others compile on first use, outside the timed decode)."""
+        plans = [Plan(self.block, f"{v}{k}") for k in self.slot_counts() for v in ("draft", "hit")]
+        k0 = self.slot_counts()[0]
+        return plans + [Plan(b, f"draft{k0}") for b in self.blocks if b != self.block]
 
     def forwards_for(self, variant: str) -> int:
         return 1 if variant.startswith("hit") else 2
 
+    def max_block(self) -> int:
+        return max(self.blocks)
+
     def max_width(self) -> int:
-        return self.block * (1 + self.max_slots)
+        return self.max_block() * (1 + self.max_slots)
 
     def carry_spec(self, vocab_size: int, sampled: bool = False) -> dict[str, CarrySpec]:
-        n = self.block
+        n = self.max_block()
         spec = {"valid": CarrySpec(()), "drafts": CarrySpec((n,)),
                 "prob": CarrySpec((n,), torch.float32), "conf": CarrySpec((n,), torch.float32),
                 "margin": CarrySpec((n,), torch.float32), "alt": CarrySpec((n,)),
@@ -124,27 +154,52 @@ class RecGuide(LinearSS):
         """Slot j's observed hit rate (Beta prior worth 4 rounds at `prior_hits`)."""
         return (self.slot_covered[j] + 4 * self.prior_hits) / (self.slot_trials[j] + 4)
 
-    def gate(self, rows: int, hit: bool) -> int:
+    def ms(self, rows: int, block: int, variant: str) -> float | None:
+        return self.step_ms.get((rows, block, variant))
+
+    def gate(self, rows: int, block: int, hit: bool) -> int:
         """Branch slots for the next round: add slot j while its hit rate × the draft forward a
         hit saves exceeds the extra verify cost of its B tokens (measured step times)."""
         if self.branches != "gate":
             return int(self.branches)
         v = "hit" if hit else "draft"
-        ms = lambda var, k: self.step_ms.get((rows, f"{var}{k}"))      # noqa: E731
         k = 0
         while k < self.max_slots:
-            t_draft = (ms("draft", k + 1) or 0) - (ms("hit", k + 1) or 0)
-            now, more = ms(v, k), ms(v, k + 1)
-            if now is None or more is None or t_draft <= 0:
+            d, h = self.ms(rows, block, f"draft{k + 1}"), self.ms(rows, block, f"hit{k + 1}")
+            now, more = self.ms(rows, block, f"{v}{k}"), self.ms(rows, block, f"{v}{k + 1}")
+            if None in (d, h, now, more) or d <= h:
                 break
-            if self.hit_rate(k) * t_draft <= more - now:
+            if self.hit_rate(k) * (d - h) <= more - now:
                 break
             k += 1
         return k
 
+    def choose_block(self, seq) -> int:
+        """Verification-guided block size: argmax_B V_B(s, z) / T(B) from the request's recent
+        rounds and the measured round time of each B at the current batch bucket."""
+        if len(self.blocks) == 1:
+            return self.blocks[0]
+        hist_b, hist_c = seq.state.setdefault("blocks", []), seq.accept_lengths
+        s = history_signal(hist_b, hist_c) if self.use_signal else 0.5
+        z = stratum(hist_b[-1] if hist_b else None, hist_c[-1] if hist_c else None) \
+            if self.use_stratum else "*"
+        values, costs = {}, {}
+        for b in self.blocks:
+            t = self.ms(self.rows, b, f"draft{self.slot_counts()[0]}")
+            if t is None:                                  # not measured yet: keep the start
+                return seq.block or self.block
+            costs[b] = t
+            if self.tables is not None and b in self.tables.blocks:
+                values[b] = self.tables.value(b, s, z)
+            else:                                          # cold start: a geometric run at s
+                p = min(max(s, 0.05), 0.95)
+                values[b] = float(sum(p ** k for k in range(b)))
+        return choose_block(values, costs, self.objective, self.rho)
+
     def plan(self, seq) -> Plan:
         h = seq.host
         if h:                                    # the previous round's outcome and coverage
+            seq.state.setdefault("blocks", []).append(seq.block)
             wanted = h[H_WANTED]
             for j in range(min(wanted, 3)):
                 self.slot_trials[j] += 1
@@ -156,18 +211,25 @@ class RecGuide(LinearSS):
             t["covered"] += int(any(h[H_COVERED + j] for j in range(min(wanted, 3))))
             t["reused"] += h[H_HIT]
         hit = bool(h) and h[H_HIT] == 1
-        k = self.gate(self.rows, hit)
+        # A carried block keeps its size; otherwise the verifier's history picks the next one.
+        block = seq.block if hit else self.choose_block(seq)
+        k = self.gate(self.rows, block, hit)
         self.decisions[k] = self.decisions.get(k, 0) + 1
-        return Plan(self.block, f"{'hit' if hit else 'draft'}{k}")
+        self.block_choices[block] = self.block_choices.get(block, 0) + 1
+        return Plan(block, f"{'hit' if hit else 'draft'}{k}")
 
     def report(self) -> dict:
-        """Table 3 (branch coverage and reuse) and the gate's decisions for the last run."""
+        """Table 3 (branch coverage and reuse), Table 4 (block choices) and the gate's decisions
+        for the last run."""
         t = dict(self.table3)
         r = max(t["rounds"], 1)
+        n = max(sum(self.block_choices.values()), 1)
         t.update(coverage=t["covered"] / r, reuse=t["reused"] / r, no_hit=1 - t["reused"] / r,
                  slot_hit_rates=[round(self.hit_rate(j), 4) for j in range(self.max_slots)],
                  slots_chosen=dict(sorted(self.decisions.items())),
-                 step_ms={f"{rows}:{v}": round(ms, 3) for (rows, v), ms in self.step_ms.items()})
+                 block_share={b: c / n for b, c in sorted(self.block_choices.items())},
+                 step_ms={f"{rows}x{w}:{v}": round(ms, 3)
+                          for (rows, w, v), ms in sorted(self.step_ms.items())})
         return t
 
     # --- inside the step --------------------------------------------------------------------

@@ -1,0 +1,140 @@
+"""RecGuide's tables and figure, shaped like the paper's, from a bench run's records and runs.
+
+Table 1  transition probabilities of acceptance intervals between adjacent rounds
+Table 3  branch coverage and reuse (verification-overlapped drafting)
+Table 4  share of rounds choosing each block size, per concurrency
+Table 5/6 ablation ladders: tokens/s of each labelled run (`--method 'linear,recguide[...]'`)
+Figure 5 aggregate vs per-request tokens/s over concurrency (PNG)
+"""
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+from rich.table import Table
+
+INTERVALS = ((0.0, 1 / 3), (1 / 3, 2 / 3), (2 / 3, 1.01))
+NAMES = ("low [0, ⅓)", "mid [⅓, ⅔)", "high [⅔, 1]")
+
+
+def _get(r, k):
+    return r[k] if isinstance(r, dict) else getattr(r, k)
+
+
+def _interval(frac: float) -> int:
+    return next(i for i, (lo, hi) in enumerate(INTERVALS) if lo <= frac < hi)
+
+
+def transitions(records, method: str, block: int) -> list[list[float]] | None:
+    """P(interval of round t+1 | interval of round t) of the accepted fraction (accepted drafts /
+    (block − 1)) over every request's rounds (the last, budget-cut round excluded)."""
+    counts = [[0] * 3 for _ in range(3)]
+    for r in records:
+        if _get(r, "method") != method or not _get(r, "accept_lengths"):
+            continue
+        fr = [(a - 1) / (block - 1) for a in _get(r, "accept_lengths")[:-1]]
+        for a, b in zip(fr, fr[1:]):
+            counts[_interval(a)][_interval(b)] += 1
+    if not any(map(sum, counts)):
+        return None
+    return [[c / max(sum(row), 1) for c in row] for row in counts]
+
+
+def print_tables(console, runs: list[dict], records, block: int | None = None) -> None:
+    reports = [r for r in runs if r.get("method_report")]
+    spec = [r for r in runs if r["method"] != "ar" and "@" not in r["method"]]
+    if block:
+        for name in sorted({r["method"] for r in spec}):
+            if "adaptive" in name or "blocks=" in name:
+                continue
+            t = transitions(records, name, block)
+            if t is None:
+                continue
+            tab = Table(title=f"Table 1 — {name}: acceptance interval, round t → t+1")
+            tab.add_column("round t")
+            for n in NAMES:
+                tab.add_column(n, justify="right")
+            for n, row in zip(NAMES, t):
+                tab.add_row(n, *(f"{p:.2f}" for p in row))
+            console.print(tab)
+    if not reports:
+        return
+    tab = Table(title="Table 3 — RecGuide branches: proposed, coverage, reuse (per round)")
+    for col in ("method", "C", "rounds", "proposed/round", "laid out/round", "coverage", "reuse",
+                "no hit", "slots chosen"):
+        tab.add_column(col, justify="left" if col in ("method", "slots chosen") else "right")
+    for r in reports:
+        m = r["method_report"]
+        n = max(m["rounds"], 1)
+        tab.add_row(r["method"], str(r["concurrency"]), str(m["rounds"]), f"{m['proposed'] / n:.2f}",
+                    f"{m['laid_out'] / n:.2f}", f"{m['coverage']:.1%}", f"{m['reuse']:.1%}",
+                    f"{m['no_hit']:.1%}", " ".join(f"{k}:{v}" for k, v in m["slots_chosen"].items()))
+    console.print(tab)
+    shares = [r for r in reports if len(r["method_report"].get("block_share", {})) > 1]
+    if shares:
+        blocks = sorted({int(b) for r in shares for b in r["method_report"]["block_share"]})
+        tab = Table(title="Table 4 — share of rounds choosing each block size")
+        tab.add_column("method")
+        tab.add_column("C", justify="right")
+        for b in blocks:
+            tab.add_column(f"B={b}", justify="right")
+        for r in shares:
+            sh = {int(k): v for k, v in r["method_report"]["block_share"].items()}
+            tab.add_row(r["method"], str(r["concurrency"]), *(f"{sh.get(b, 0):.0%}" for b in blocks))
+        console.print(tab)
+    ladder = [r for r in runs if r["method"] != "ar"]
+    if len(ladder) > 1:
+        tab = Table(title="Tables 5/6 — ablation ladder: tokens/s (aggregate) and tokens per forward")
+        tab.add_column("method")
+        by_c = defaultdict(dict)
+        for r in ladder:
+            by_c[r["concurrency"]][r["method"]] = r
+        cs = sorted(by_c)
+        for c in cs:
+            tab.add_column(f"C={c} tok/s", justify="right")
+            tab.add_column(f"C={c} tok/fwd", justify="right")
+        tab.add_column("mean tok/s", justify="right")
+        for name in dict.fromkeys(r["method"] for r in ladder):
+            cells, tps = [], []
+            for c in cs:
+                r = by_c[c].get(name)
+                cells += [f"{r['tokens_per_s']:.1f}" if r else "—",
+                          f"{r['tokens_per_forward']:.2f}" if r else "—"]
+                if r:
+                    tps.append(r["tokens_per_s"])
+            tab.add_row(name, *cells, f"{sum(tps) / max(len(tps), 1):.1f}")
+        console.print(tab)
+
+
+def plot_throughput(runs: list[dict], records, out_dir: str) -> str | None:
+    """Figure 5: aggregate vs per-request tokens/s, one curve per method over concurrency."""
+    pts = defaultdict(list)
+    per_req = defaultdict(list)
+    for r in records:
+        if _get(r, "error") or not _get(r, "latency_s"):
+            continue
+        per_req[(_get(r, "method"), _get(r, "concurrency"))].append(
+            _get(r, "new_tokens") / _get(r, "latency_s"))
+    for r in runs:
+        key = (r["method"], r["concurrency"])
+        if per_req.get(key):
+            pts[r["method"]].append((r["concurrency"], r["tokens_per_s"],
+                                     sum(per_req[key]) / len(per_req[key])))
+    if not any(len(v) > 1 for v in pts.values()):
+        return None
+    from fastspec.evals.report import _figure
+    fig = _figure()
+    ax = fig.add_subplot(1, 1, 1)
+    for name, p in pts.items():
+        p.sort()
+        ax.plot([x[2] for x in p], [x[1] for x in p], marker="o", label=name)
+        for c, agg, req in p:
+            ax.annotate(f"C={c}", (req, agg), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("per-request tokens/s")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.set_title("Figure 5 — aggregate vs per-request throughput")
+    ax.legend(fontsize=7)
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "throughput_pareto_recguide.png")
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    return path
