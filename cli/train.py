@@ -49,12 +49,8 @@ def _r(x, nd):
 
 
 def _pick_device(device: str) -> str:
-    import torch
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise FastspecError("--device cuda requested but no CUDA device is available")
-    return device
+    from fastspec.model.loader import resolve_device
+    return str(resolve_device(device))
 
 
 def _load_base(model: str, dtype: str):

@@ -171,10 +171,10 @@ def environment(engines, model: str) -> dict:
 
 
 def _too_long(engine, method: str, block, ids: list[int], p: SamplingParams) -> str | None:
-    """Why this request cannot run on this engine (None if it can): the engine needs room for
-    the prompt, the new tokens and one round's speculative K/V (the rule of Engine.prepare, asked
-    per request so one long prompt fails alone instead of failing its whole batch)."""
-    need = len(ids) + p.max_new_tokens + engine.method(method, block).max_block()
+    """Why this request cannot run on this engine (None if it can): the prompt and the new tokens
+    must fit the context (the rule of Engine.prepare, asked per request so one long prompt fails
+    alone instead of failing its whole batch)."""
+    need = len(ids) + p.max_new_tokens        # speculative headroom lies past the context
     if need <= engine.max_context:
         return None
     return (f"prompt of {len(ids)} tokens plus {p.max_new_tokens} new tokens needs {need} positions "

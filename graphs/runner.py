@@ -32,7 +32,9 @@ writes are: the same values land in the same columns). Graphs share one pool, so
 serialized on one stream (the runner does that; do not replay from several threads).
 
 Padding (see graphs/keys.py): a batch of n requests runs in the bucket `batch_bucket(n)`. Padded
-rows are inactive: their ids are zero, their K/V land in a slot no real row uses (the "trash"),
+rows are inactive: the engine points them at its trash slot (the cache's last, which no request
+uses) with `active = 0`, so nothing they write is ever committed or read. For a bare model
+forward, `pad_step` pads the inputs by the same rules: ids zero, K/V in a slot no real row uses,
 their committed length is 0 (>= 0) and their mask lets each padded token see its own column, so
 no softmax row is all-masked and nothing turns NaN. `pad_rows` pads one tensor; `pad_step` pads
 all the inputs of a model forward by those rules; real rows come back unchanged in rows [:n].
@@ -256,7 +258,7 @@ class StepRunner:
 
     def _compile(self, key: GraphKey, kind: str, fn: Callable) -> Callable:
         # Every key compiles the same code object once more: lift dynamo's limits (default 8,
-        # after which it silently runs eager) as compile_forward does.
+        # after which it silently runs eager).
         cfg = torch._dynamo.config
         cfg.recompile_limit = max(cfg.recompile_limit, 4 * self.max_graphs, 64)
         cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 16 * self.max_graphs, 256)

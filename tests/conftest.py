@@ -24,3 +24,24 @@ def tiny_loaded(seed: int = 0, layers: int = 2, std: float = 0.2, **cfg_override
 @pytest.fixture
 def tiny():
     return tiny_loaded()
+
+
+def tiny_drafter(seed: int = 5):
+    """A tiny random model with a random (non-identity) draft adapter: drafts are mostly wrong,
+    which exercises every rejection path."""
+    from fastspec.draft import AdapterConfig, attach_adapter
+    t = tiny_loaded(seed=seed)
+    attach_adapter(t.model, AdapterConfig(rank=4), seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for blk in t.model.layers:
+            for lora in blk.attn.lora.values():
+                lora.B.copy_(0.1 * torch.randn(lora.B.shape, generator=g))
+    t.model.requires_grad_(False)
+    return t
+
+
+def random_token_prompts(n: int, seed: int = 0, max_len: int = 30, vocab: int = 512):
+    import random
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(1, max_len))] for _ in range(n)]

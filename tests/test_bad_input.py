@@ -82,6 +82,7 @@ CASES = [
      "no such file or directory: models/nope"),
     ("profile-unknown-backend", [*PROFILE, "--backend", "inductor"], "Invalid value for '--backend'"),
     # train-drafter
+    ("train-device-tpu", [*TRAIN, "--device", "tpu"], "--device takes auto, cpu, cuda or cuda:N, got 'tpu'"),
     ("train-target-tokens", [*TRAIN, "--target-tokens", "1"], "--target-tokens must be >= 2, got 1"),
     ("train-gen-concurrency", [*TRAIN, "--gen-concurrency", "0"], "--gen-concurrency must be >= 1, got 0"),
     ("train-missing-data", [*TRAIN, "--data", "{tmp}/none.jsonl"], "none.jsonl not found"),

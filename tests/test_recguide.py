@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from conftest import tiny_loaded
+from conftest import random_token_prompts, tiny_drafter, tiny_loaded
 from fastspec.convention import FASTSPEC, NLD
 from fastspec.draft import AdapterConfig, attach_adapter
 from fastspec.engine import Engine, Step
@@ -147,20 +147,11 @@ def test_likelihood_policy_ranks_branches_by_the_drafters_probabilities():
 # --- on a model ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def drafter():
-    t = tiny_loaded(seed=5)
-    attach_adapter(t.model, AdapterConfig(rank=4), seed=5)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for blk in t.model.layers:
-            for lora in blk.attn.lora.values():
-                lora.B.copy_(0.1 * torch.randn(lora.B.shape, generator=g))
-    t.model.requires_grad_(False)
-    return t
+    return tiny_drafter(seed=5)
 
 
 def prompts(n, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(rng.randrange(1, 30))] for _ in range(n)]
+    return random_token_prompts(n, seed)
 
 
 @pytest.mark.parametrize("convention", [FASTSPEC, NLD], ids=["fastspec", "nld"])

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from conftest import tiny_loaded
+from conftest import random_token_prompts, tiny_drafter, tiny_loaded
 from fastspec.draft import AdapterConfig, attach_adapter
 from fastspec.engine import Engine
 from fastspec.graphs.keys import GraphKey
@@ -16,20 +16,11 @@ CUDA = torch.cuda.is_available()
 
 @pytest.fixture(scope="module")
 def drafter():
-    t = tiny_loaded(seed=5)
-    attach_adapter(t.model, AdapterConfig(rank=4), seed=5)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for blk in t.model.layers:
-            for lora in blk.attn.lora.values():
-                lora.B.copy_(0.1 * torch.randn(lora.B.shape, generator=g))
-    t.model.requires_grad_(False)
-    return t
+    return tiny_drafter(seed=5)
 
 
 def prompts(n, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(rng.randrange(1, 30))] for _ in range(n)]
+    return random_token_prompts(n, seed)
 
 
 SAMPLINGS = {
@@ -86,7 +77,8 @@ def test_a_round_is_one_step_per_key(drafter):
     stats = engine.runner.stats()
     rounds = max(c.rounds for c in out)
     assert list(stats) == [GraphKey(2, 8, "linear", method="linear")]
-    assert stats[GraphKey(2, 8, "linear", method="linear")]["calls"] == rounds + 1          # + the warm-up round
+    # + the warm-up's two rounds (the first builds the step, the second times it)
+    assert stats[GraphKey(2, 8, "linear", method="linear")]["calls"] == rounds + 2
     assert engine.last_stats.forwards == 2 * rounds + 1                   # + one prefill
     # Draft statistics of the last round come back with it, one per draft position.
     last = engine.last_round

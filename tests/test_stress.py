@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from conftest import EOS, tiny_loaded
+from conftest import EOS, random_token_prompts, tiny_drafter, tiny_loaded
 from fastspec.draft import AdapterConfig, attach_adapter
 from fastspec.engine import CTX_ALIGN, Engine
 from fastspec.methods.recguide import RecGuide
@@ -16,15 +16,7 @@ METHODS = ["ar", "linear", "recguide"]
 
 @pytest.fixture(scope="module")
 def drafter():
-    t = tiny_loaded(seed=8)
-    attach_adapter(t.model, AdapterConfig(rank=4), seed=8)
-    g = torch.Generator().manual_seed(8)
-    with torch.no_grad():
-        for blk in t.model.layers:
-            for lora in blk.attn.lora.values():
-                lora.B.copy_(0.1 * torch.randn(lora.B.shape, generator=g))
-    t.model.requires_grad_(False)
-    return t
+    return tiny_drafter(seed=8)
 
 
 def method(name):

@@ -328,11 +328,12 @@ class RecGuide(LinearSS):
         """[S, n] the draft's best token other than its own draft, MASK (already -inf) and EOS,
         and the drafter's probability of it."""
         logits = logits.float()
-        x = logits.scatter(-1, drafts[..., None], float("-inf"))
-        vocab = torch.arange(x.shape[-1], device=x.device)
+        # One elementwise mask (fuses into the argmax; a scatter into a copy of the logits does not).
+        vocab = torch.arange(logits.shape[-1], device=logits.device)
+        banned = vocab == drafts[..., None]
         for e in self.eos_ids:
-            x = x.masked_fill(vocab == e, float("-inf"))
-        alt = x.argmax(-1)
+            banned = banned | (vocab == e)
+        alt = logits.masked_fill(banned, float("-inf")).argmax(-1)
         p_alt = (logits.gather(-1, alt[..., None])[..., 0] - logits.logsumexp(-1)).exp()
         return alt, p_alt
 
