@@ -17,9 +17,12 @@ from fastspec.config import FastspecError, parse_int_list
 
 
 def default_tables_path(model_name: str) -> str:
-    """Beside the model's profiles: profiles/<model>-survival.json."""
+    """Beside the model's profiles: profiles/<model>-survival.json (the repo's own profiles/ when
+    that holds one, e.g. the shipped tables of the default model; else under the working dir)."""
     from fastspec.graphs.profile import slug
-    return os.path.join("profiles", f"{slug(model_name)}-survival.json")
+    name = f"{slug(model_name)}-survival.json"
+    shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiles", name)
+    return shipped if os.path.isfile(shipped) else os.path.join("profiles", name)
 
 
 @click.command()
