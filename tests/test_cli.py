@@ -139,8 +139,8 @@ def test_a_request_that_cannot_run_is_an_error_row(tmp_path, adapter_dir):
     result, text, data = bench_json(tmp_path, adapter_dir, "--prompts", prompts, "--method", "ar,linear",
                                     "--block", "4", "--concurrency", "2")
     assert result.exit_code == 0, text
-    assert "could not run (1: prompts/1 linear C=2): prompt of 619 tokens plus 8 new tokens needs 631 " \
-           "positions but the context is 512" in text
+    assert "could not run (2: prompts/1 ar C=2, prompts/1 linear C=2): prompt of 619 tokens plus 8 " \
+           "new tokens needs 627 positions but the context is 512" in text
     errors = [r for r in data["records"] if r["error"]]
     assert [(r["method"], r["problem_id"], r["finish_reason"]) for r in errors] == [
         ("ar", "1", "error"), ("linear", "1", "error")]
