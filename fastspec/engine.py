@@ -190,7 +190,6 @@ class Engine:
         self._warm: set = set()
         self.last_stats = self.stats = RunStats()
         self.sampler: SamplerState | None = None
-        self.round_width = 1
         self.name = getattr(loaded, "name", "this model")
         self.last_round: RoundOutput | None = None      # the latest round (draft statistics)
         self._methods: dict[tuple, Method] = {}
@@ -387,9 +386,10 @@ class Engine:
         # K/V (inputs 5, 6) are written in place: the runner uses them by address.
         outs = self.runner.run(key, fn, slot_t, active, block_t, self.pending, c.lengths, c.k, c.v,
                                *s.tensors(), *self.carry.values(), static=(5, 6))
-        if self.device.type == "cuda":
+        # Measured step times feed planners that ask for them (a sync per step on a GPU).
+        if meth.timed and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        if self.runner.total_compiles() == compiles:   # measured step times feed the planners
+        if meth.timed and self.runner.total_compiles() == compiles:
             ms = (time.perf_counter() - t0) * 1e3
             times = self.step_ms.setdefault(meth.key_name(), {})
             old = times.get((rows, width, plan.variant))
@@ -433,7 +433,6 @@ class Engine:
             return []
         C = min(concurrency, len(seqs))
         batch_bucket(C)                                  # a clear error past the largest bucket
-        self.round_width = meth.max_width()
         # The run's sampling code path is known up front: the warm-up compiles that step.
         self.sampler = SamplerState(C + 1, self.device, mode=sampling_mode(per_request))
         meth.begin(RunInfo(C, batch_bucket(C), set(self.eos_ids),

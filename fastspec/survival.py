@@ -114,12 +114,11 @@ class SurvivalTables:
         for B in blocks:
             # A block of B is judged from tries of B and, censored, from shorter blocks' tries.
             use = blk <= B
-            pooled, pooled_n = [], []
+            pooled = []
             for b in range(nb):
                 sel = use & (bin_of == b)
                 surv, _ = km_survival(run[sel], cens[sel], B)
                 pooled.append(surv[:B])
-                pooled_n.append(int(sel.sum()))
             for z in zs + ["*"]:
                 rows, ns = [], []
                 for b in range(nb):

@@ -67,6 +67,7 @@ class Method:
     # False: one step for every row at the widest block, padded to the bucket of the whole batch
     # (one compiled key for the run, however requests drain).
     bucketing = False
+    timed = False                   # True: the planner reads measured step times (costs a sync on GPU)
 
     def __init__(self, block: int = 16):
         self.block = block

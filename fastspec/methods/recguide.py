@@ -45,15 +45,16 @@ from fastspec.verify import accept_chain
 
 STREAM_BRANCH = 16              # + slot: the random stream of a branch's sampled drafts
 CORR1, CORR2, CONT = 0, 1, 2    # branch kinds, in the reference policy's order
-# Host values a round returns per row (RoundOutput.host columns).
+# Host values a round returns per row (RoundOutput.host columns): risky count, wanted branches,
+# covered by wanted branch 0..2, hit, branch slots laid out.
 H_RISKY, H_WANTED, H_COVERED, H_HIT, H_SLOTS = 0, 1, 2, 5, 6
-HOST_COLS = 7                   # risky, wanted, covered by wanted branch 0..2, hit, slots laid out
 
 
 class RecGuide(LinearSS):
     name = "recguide"
     layout = "overlap"
     bucketing = True
+    timed = True                    # the gate and the block chooser read measured step times
 
     def __init__(self, block: int = 8, threshold: float = 0.5, max_corrections: int = 2,
                  continuation: bool = True, branches: str | int = "gate", prior_hits: float = 0.3,
@@ -86,7 +87,7 @@ class RecGuide(LinearSS):
         self.policy = policy
         self.threshold = threshold
         self.max_corrections = max_corrections
-        self.continuation = continuation
+        self.continuation = bool(continuation)
         self.max_slots = max_corrections + int(continuation)
         if branches != "gate" and not 0 <= int(branches) <= self.max_slots:
             raise FastspecError(f"--branches must be gate or 0..{self.max_slots}, got {branches}")
@@ -97,7 +98,6 @@ class RecGuide(LinearSS):
         self.tables, self.objective, self.rho = tables, objective, rho
         self.use_signal, self.use_stratum = bool(use_signal), bool(use_stratum)
         self.bucketing = bool(bucketing)
-        self.continuation = bool(continuation)
         self.eos_ids: tuple[int, ...] = ()
         self.step_ms: dict = {}
         self.rows = 1
