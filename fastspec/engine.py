@@ -163,6 +163,23 @@ class Step:
         return self.model(ids, pos, self.k, self.v, cols, mask, self.slots, adapter_on)
 
 
+def compact_path(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                 cols: torch.Tensor) -> None:
+    """Move each row's accepted path into place: K/V at columns L + cols[:, j] go to L + 1 + j
+    (every layer and head), in place. All sources are read before any write, so a path may
+    move onto columns another path entry is read from.
+
+        L = 10, cols [2 3]:  cache[..., 12] -> [..., 11], cache[..., 13] -> [..., 12]
+    """
+    D = cols.shape[1]
+    ctx = k.shape[3]
+    src = (lengths[:, None] + cols).clamp(max=ctx - 1)                          # [S, D]
+    dst = (lengths[:, None] + 1 + torch.arange(D, device=cols.device)).clamp(max=ctx - 1)
+    for cache in (k, v):
+        moved = cache[:, slots[:, None], :, src]          # [layers, S, D, heads, hd]
+        cache[:, slots[:, None], :, dst] = moved
+
+
 class Engine:
     def __init__(self, loaded, backend: str = "auto", max_context: int | None = None,
                  compiler: str | None = None):
@@ -199,6 +216,15 @@ class Engine:
         # Measured ms of each method's steps: {method key: {(rows, width, variant): EMA ms}}.
         self.step_ms: dict[str, dict[tuple[int, str], float]] = {}
         self._round_fns: dict[tuple, Callable] = {}
+        self._forward_cost = None
+
+    @property
+    def forward_cost(self):
+        """T(rows, tokens) ms of one forward: the device profile's, or a nominal roofline."""
+        if self._forward_cost is None:
+            from fastspec.graphs.profile import ForwardCost
+            self._forward_cost = ForwardCost.for_model(self.cfg, str(self.device), self.name)
+        return self._forward_cost
 
     @property
     def mask_token_id(self) -> int | None:
@@ -350,6 +376,8 @@ class Engine:
                 L = lengths[slots]
                 step = Step(model, k, v, L, slots, sampler, width)
                 out = meth.round(step, pending[slots], blocks, carry, variant)
+                if out.commit_cols is not None:
+                    compact_path(k, v, slots, L, out.commit_cols)
                 # Commit by length: the seed and the accepted drafts (whose K/V the verify
                 # forward wrote) join the prefix; the last emitted token seeds the next round,
                 # and active rows move their random streams on (padded rows: active 0).
@@ -436,7 +464,7 @@ class Engine:
         # The run's sampling code path is known up front: the warm-up compiles that step.
         self.sampler = SamplerState(C + 1, self.device, mode=sampling_mode(per_request))
         meth.begin(RunInfo(C, batch_bucket(C), set(self.eos_ids),
-                           self.step_ms.setdefault(meth.key_name(), {})))
+                           self.step_ms.setdefault(meth.key_name(), {}), self.forward_cost))
         self.prepare(C, max(len(s.prompt_ids) + s.params.max_new_tokens for s in seqs), meth)
         c = self.cache
         c.lengths.zero_()

@@ -505,3 +505,42 @@ def write_heatmap(prof: Profile, path: str) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+# --- the cost model the schedulers read -------------------------------------------------------
+class ForwardCost:
+    """T(rows, tokens): ms of one forward of `rows` rows × `tokens` new tokens at a typical
+    context, as the planners of LibraSpec, BASTION and RecGuide read it.
+
+    From the device's profile when one exists (`fastspec profile`; the repo's shipped profiles/
+    are found from any cwd), else the roofline with nominal constants for this model's shape
+    (source "default": the right shape of the curve, not this machine's numbers)."""
+
+    def __init__(self, cfg: ModelConfig, profile: "Profile | None" = None, ctx: int = 512):
+        self.cfg, self.profile, self.ctx = cfg, profile, ctx
+        self.source = "profile" if profile is not None and profile.roofline is not None else "default"
+        self._memo: dict[tuple[int, int], float] = {}
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, device: str, model_name: str) -> "ForwardCost":
+        name = os.path.basename(default_path(device_name(device), model_name))
+        shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiles", name)
+        for path in (os.path.join("profiles", name), shipped):
+            if os.path.isfile(path):
+                try:
+                    return cls(cfg, Profile.load(path))
+                except FastspecError:
+                    break
+        return cls(cfg)
+
+    def __call__(self, rows: int, tokens: int) -> float:
+        key = (rows, tokens)
+        if key not in self._memo:
+            if self.source == "profile":
+                ms = self.profile.predict_ms(rows, tokens, self.ctx)
+            else:
+                # Nominal 2-core CPU: 50 GFLOP/s, 20 GB/s, 1 ms fixed cost per forward.
+                ms = 1e3 * max(forward_flops(self.cfg, rows, tokens, self.ctx) / 50e9,
+                               forward_bytes(self.cfg, rows, tokens, self.ctx) / 20e9) + 1.0
+            self._memo[key] = float(ms)
+        return self._memo[key]

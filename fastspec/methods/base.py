@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -22,6 +23,13 @@ class RoundOutput:
     # [S, k] small integers the method's host-side planner reads with the round's one host read
     # (e.g. "a pre-drafted block is ready", branch coverage); None when it reads nothing.
     host: torch.Tensor | None = None
+    # Trees and branches: [S, D] columns (relative to the committed length L) whose K/V become
+    # positions L+1 .. L+D, i.e. the accepted path after the seed (which stays at L). The engine
+    # moves them inside the step before it commits n_emitted; None for chains (already in place).
+    #   tree s a b c (columns 0..3), accepted path s -> b -> c: commit_cols [2 3] -> K/V of b
+    #   moves to L+1, c to L+2. Entries past n_emitted - 1 move too and land past the new
+    #   length, where nothing reads them.
+    commit_cols: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,8 @@ class RunInfo:
     rows: int                                   # the batch bucket of a full batch
     eos_ids: set
     step_ms: dict                               # (rows, width, variant) -> measured ms
+    # T(rows, tokens) in ms of one forward, from the device's profile (graphs/profile.ForwardCost)
+    forward_ms: Callable[[int, int], float] = field(default=lambda rows, tokens: 1.0 + 0.05 * rows * tokens)
 
 
 class Method:
