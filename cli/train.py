@@ -3,6 +3,7 @@
     fastspec train-drafter                        # SmolLM2-135M, GSM8K train + built-in prompts
     fastspec train-drafter --minutes 240 --max-prompts 3000 --train-data gsm8k_train.jsonl:0.4,code.jsonl:0.3
     fastspec train-drafter --init-adapter fastspec/adapters/smollm2-135m/draft --out DIR  # warm start
+    fastspec train-drafter --kind dflash --minutes 120   # a separate DFlash drafter (same targets)
 
 The adapter lands where `load_model` looks for it (`fastspec/adapters/<name>/draft` for built-in
 names, `<checkpoint dir>/draft` otherwise). Training state (adapter + optimizer + RNG, safetensors
@@ -10,6 +11,11 @@ with JSON scalars) is checkpointed under $FASTSPEC_CACHE/train/, so an interrupt
 with the same command (SIGTERM saves a checkpoint too); the loss / acceptance log is
 `<out>/train_log.jsonl`, whose first line per (re)start records the command, data and convention.
 One adapter serves every block size: `--blocks` is the mixture of block sizes drawn per block.
+
+`--kind dflash` trains a DFlash drafter instead (fastspec/train/dflash.py): `--draft-layers`
+decoder layers reading the target layers `--target-layers`, blocks of `--draft-block`, saved in the
+public DFlash format (config.json + model.safetensors) in `<name>/dflash` beside the adapter's
+place (`fastspec.model.dflash.find_dflash` looks there); the adapter-only options are ignored.
 """
 from __future__ import annotations
 
@@ -67,6 +73,19 @@ DEFAULT_BLOCKS = "4:0.2,8:0.3,16:0.25,32:0.25"
 @click.command("train-drafter")
 @click.option("--model", "-m", default="smollm2-135m", show_default=True,
               help="Base model: built-in name, HF directory or .gguf file.")
+@click.option("--kind", type=click.Choice(["lora", "dflash"]), default="lora", show_default=True,
+              help="lora: the self-speculative draft adapter; dflash: a separate DFlash drafter (a "
+                   "few layers on the target's hidden states, public DFlash format).")
+@click.option("--draft-layers", type=int, default=2, show_default=True,
+              help="dflash: decoder layers of the drafter.")
+@click.option("--target-layers", default=None,
+              help="dflash: target layers whose outputs the drafter reads, e.g. 1,10,18,27 "
+                   "[default: 4 spread evenly].")
+@click.option("--draft-block", type=int, default=16, show_default=True,
+              help="dflash: training block size (seed + masks).")
+@click.option("--mask-token-id", type=int, default=None,
+              help="dflash: the MASK token, a vocabulary id [default: the tokenizer's last special "
+                   "token that is not BOS/EOS/PAD/UNK].")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Adapter directory [default: fastspec/adapters/<name>/draft for built-in names, "
                    "<checkpoint dir>/draft otherwise].")
@@ -126,7 +145,7 @@ def train_drafter(**opts):
 
     o = opts
     console = Console()
-    cfg = train_config(o)
+    cfg = train_config(o) if o["kind"] == "lora" else dflash_config(o)
     if o["target_tokens"] < 2:
         raise FastspecError(f"--target-tokens must be >= 2, got {o['target_tokens']}")
     if o["gen_concurrency"] < 1:
@@ -149,6 +168,8 @@ def train_drafter(**opts):
         loaded = _load_base(o["model"], "float32")
     loaded.model.to(dev)
     out_dir = Path(o["out"]) if o["out"] else default_out(o["model"], loaded.path)
+    if o["kind"] == "dflash" and not o["out"]:
+        out_dir = out_dir.parent / "dflash"
     ckpt = checkpoint_dir(o["model"], out_dir)
     if loaded.tokenizer is None:
         raise FastspecError(f"{o['model']} has no tokenizer: train-drafter needs text prompts")
@@ -164,7 +185,7 @@ def train_drafter(**opts):
     console.print(f"targets: {len(examples)} sequences, {n_tok} tokens ({cache_file}"
                   f"{', generated in %.0f s' % gen_s if gen_s > 5 else ''})", soft_wrap=True)
 
-    command = full_command({**o, "out": str(out_dir)}, cfg)
+    command = (full_command if o["kind"] == "lora" else dflash_command)({**o, "out": str(out_dir)}, cfg)
     meta = {"model": o["model"], "model_fingerprint": model_fingerprint(loaded.model, loaded.name),
             "data": mixture, "prompts": len(prompts), "sequences": len(examples),
             "target_tokens_per_seq": o["target_tokens"], "max_prompts": o["max_prompts"],
@@ -172,9 +193,15 @@ def train_drafter(**opts):
             "argv": shlex.join(["fastspec", *sys.argv[1:]])
                     if Path(sys.argv[0]).name == "fastspec" else None,
             "device": dev, "threads": torch.get_num_threads()}
-    trainer = DraftTrainer(loaded.model, examples, cfg, out_dir=out_dir, ckpt_dir=ckpt,
-                           log_path=out_dir / LOG_FILE, model_key=meta["model_fingerprint"],
-                           meta=meta, init_adapter=o["init_adapter"])
+    if o["kind"] == "dflash":
+        from fastspec.train.dflash import DFlashTrainer
+        trainer = DFlashTrainer(loaded.model, examples, cfg, out_dir=out_dir, ckpt_dir=ckpt,
+                                log_path=out_dir / LOG_FILE, model_key=meta["model_fingerprint"],
+                                meta=meta, tokenizer=loaded.tokenizer)
+    else:
+        trainer = DraftTrainer(loaded.model, examples, cfg, out_dir=out_dir, ckpt_dir=ckpt,
+                               log_path=out_dir / LOG_FILE, model_key=meta["model_fingerprint"],
+                               meta=meta, init_adapter=o["init_adapter"])
     # `kill` (SIGTERM) unwinds like Ctrl-C, so the run saves a checkpoint before it ends.
     before = signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -182,8 +209,9 @@ def train_drafter(**opts):
     finally:
         signal.signal(signal.SIGTERM, before)
 
+    what = "draft adapter" if o["kind"] == "lora" else "DFlash drafter"
     console.print(
-        f"\ndraft adapter -> {out_dir}\n"
+        f"\n{what} -> {out_dir}\n"
         f"  steps {summary['steps']} ({'resumed, ' if summary['resumed'] else ''}"
         f"{summary['run_steps']} this run), {summary['target_tokens']} target tokens, "
         f"{summary['elapsed_s'] / 60:.1f} min of training\n"
@@ -215,6 +243,47 @@ def train_config(o: dict):
                        lr=o["lr"], warmup_steps=o["warmup_steps"], minutes=o["minutes"],
                        max_steps=o["max_steps"], kl_weight=o["kl_weight"], pos_decay=o["pos_decay"],
                        partial_prob=o["partial_prob"], seed=o["seed"])
+
+
+def dflash_config(o: dict):
+    """The DFlashTrainConfig of the command's options."""
+    from fastspec.train.dflash import DFlashTrainConfig
+    layers = None
+    if o["target_layers"]:
+        try:
+            layers = tuple(int(x) for x in o["target_layers"].split(",") if x.strip())
+        except ValueError:
+            raise FastspecError(f"--target-layers takes comma-separated layer indices, got "
+                                f"{o['target_layers']!r}") from None
+    return DFlashTrainConfig(draft_layers=o["draft_layers"], target_layers=layers,
+                             block=o["draft_block"],
+                             mask_token_id=-1 if o["mask_token_id"] is None else o["mask_token_id"],
+                             blocks_per_seq=o["blocks_per_seq"], seqs_per_step=o["seqs_per_step"],
+                             lr=o["lr"], warmup_steps=o["warmup_steps"], minutes=o["minutes"],
+                             max_steps=o["max_steps"], kl_weight=o["kl_weight"],
+                             pos_decay=o["pos_decay"], seed=o["seed"])
+
+
+def dflash_command(o: dict, cfg) -> str:
+    """The --kind dflash command with every setting spelled out (rerunning it resumes)."""
+    argv = ["fastspec", "train-drafter", "--kind", "dflash", "--model", o["model"], "--out", str(o["out"])]
+    if o["train_data"]:
+        argv += ["--train-data", o["train_data"]]
+    argv += ["--max-prompts", str(o["max_prompts"]), "--target-tokens", str(o["target_tokens"]),
+             "--draft-layers", str(cfg.draft_layers), "--draft-block", str(cfg.block),
+             "--blocks-per-seq", str(cfg.blocks_per_seq), "--seqs-per-step", str(cfg.seqs_per_step),
+             "--lr", _num(cfg.lr), "--warmup-steps", str(cfg.warmup_steps),
+             "--minutes", _num(cfg.minutes), "--kl-weight", _num(cfg.kl_weight),
+             "--pos-decay", _num(cfg.pos_decay), "--seed", str(cfg.seed)]
+    if cfg.target_layers is not None:
+        argv += ["--target-layers", ",".join(map(str, cfg.target_layers))]
+    if cfg.mask_token_id >= 0:
+        argv += ["--mask-token-id", str(cfg.mask_token_id)]
+    if cfg.max_steps is not None:
+        argv += ["--max-steps", str(cfg.max_steps)]
+    if o.get("threads"):
+        argv += ["--threads", str(o["threads"])]
+    return shlex.join(argv)
 
 
 def full_command(o: dict, cfg) -> str:

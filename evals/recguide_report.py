@@ -41,7 +41,8 @@ def transitions(records, method: str, block: int) -> list[list[float]] | None:
 
 
 def print_tables(console, runs: list[dict], records, block: int | None = None) -> None:
-    reports = [r for r in runs if r.get("method_report")]
+    reports = [r for r in runs if "proposed" in (r.get("method_report") or {})]    # RecGuide's
+    libra = [r for r in runs if "gamma_share" in (r.get("method_report") or {})]   # LibraSpec's
     spec = [r for r in runs if r["method"] != "ar" and "@" not in r["method"]]
     if block:
         for name in sorted({r["method"] for r in spec}):
@@ -57,6 +58,20 @@ def print_tables(console, runs: list[dict], records, block: int | None = None) -
             for n, row in zip(NAMES, t):
                 tab.add_row(n, *(f"{p:.2f}" for p in row))
             console.print(tab)
+    if libra:
+        widths = sorted({int(w) for r in libra for w in r["method_report"]["width_share"]})
+        tab = Table(title="LibraSpec — chosen length γ (drafts judged) and verify width, per C")
+        for col in ("method", "C", "rows", "rounds", "mean γ", "γ (share)"):
+            tab.add_column(col, justify="left" if col in ("method", "γ (share)") else "right")
+        for w in widths:
+            tab.add_column(f"W={w}", justify="right")
+        for r in libra:
+            m = r["method_report"]
+            sh = {int(k): v for k, v in m["width_share"].items()}
+            gam = " ".join(f"{k}:{v:.0%}" for k, v in m["gamma_share"].items() if v >= 0.05)
+            tab.add_row(r["method"], str(r["concurrency"]), str(m["rows"]), str(m["rounds"]),
+                        f"{m['mean_gamma']:.2f}", gam, *(f"{sh.get(w, 0):.0%}" for w in widths))
+        console.print(tab)
     if not reports:
         return
     tab = Table(title="Table 3 — RecGuide branches: proposed, coverage, reuse (per round)")

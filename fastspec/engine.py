@@ -315,8 +315,10 @@ class Engine:
 
     # --- the two forwards -------------------------------------------------------------------
     @torch.no_grad()
-    def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Prompts of admitted requests in one ragged batch (right-padded); last-token logits."""
+    def _prefill(self, seqs: list[Sequence], meth: Method | None = None) -> torch.Tensor:
+        """Prompts of admitted requests in one ragged batch (right-padded); last-token logits.
+        A method with a `prefill_capture` (DFlash) also gets the prompts' hidden states of those
+        layers, through its `prefill_context(carry, slots, hidden, lengths)`."""
         c = self.cache
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
         lens = torch.tensor([len(s.prompt_ids) for s in seqs], device=self.device)
@@ -327,7 +329,13 @@ class Engine:
         pos = torch.arange(n, device=self.device).expand(len(seqs), n)
         zero = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
         mask = cache_mask(zero, causal_block(n, self.device), n)
-        logits = self.model(ids, pos, c.k, c.v, pos, mask, slots, logits_index=(lens - 1)[:, None])
+        capture = getattr(meth, "prefill_capture", None)
+        out = self.model(ids, pos, c.k, c.v, pos, mask, slots, logits_index=(lens - 1)[:, None],
+                         **({"capture": capture} if capture else {}))
+        logits = out
+        if capture:
+            logits, hidden = out
+            meth.prefill_context(self.carry, slots, hidden, lens)
         c.lengths[slots] = lens
         return logits[:, 0]
 
@@ -464,7 +472,8 @@ class Engine:
         # The run's sampling code path is known up front: the warm-up compiles that step.
         self.sampler = SamplerState(C + 1, self.device, mode=sampling_mode(per_request))
         meth.begin(RunInfo(C, batch_bucket(C), set(self.eos_ids),
-                           self.step_ms.setdefault(meth.key_name(), {}), self.forward_cost))
+                           self.step_ms.setdefault(meth.key_name(), {}), self.forward_cost,
+                           model=self.model))
         self.prepare(C, max(len(s.prompt_ids) + s.params.max_new_tokens for s in seqs), meth)
         c = self.cache
         c.lengths.zero_()
@@ -507,7 +516,7 @@ class Engine:
                     self.clear_slot(s.slot)
                     self.sampler.set(s.slot, s.params, s.index)
                     s.block = meth.block_for(s)
-                first = sample_tokens(self._prefill(admitted), self.sampler, slots)
+                first = sample_tokens(self._prefill(admitted, meth), self.sampler, slots)
                 self.sampler.counter[slots] += 1       # rounds draw fresh numbers
                 self.pending[slots] = first
                 stats.forwards += 1

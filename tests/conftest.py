@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", min(2, os.cpu_count() or 1))))
 from fastspec.config import ModelConfig  # noqa: E402
 from fastspec.model.llama import LlamaModel  # noqa: E402
 

@@ -6,10 +6,17 @@ from __future__ import annotations
 from fastspec.config import FastspecError
 from fastspec.methods.base import Method, RoundOutput
 from fastspec.methods.ar import AR
+from fastspec.methods.bastion import BASTION
+from fastspec.methods.d2sd import D2SD
+from fastspec.methods.dflash import DFlash
+from fastspec.methods.libraspec import LibraSpec
 from fastspec.methods.linear import LinearSS
 from fastspec.methods.recguide import RecGuide
+from fastspec.methods.tidar import TiDAR
 
-METHODS: dict[str, type[Method]] = {"ar": AR, "linear": LinearSS, "recguide": RecGuide}
+METHODS: dict[str, type[Method]] = {"ar": AR, "linear": LinearSS, "recguide": RecGuide,
+                                     "d2sd": D2SD, "dflash": DFlash, "libraspec": LibraSpec,
+                                     "tidar": TiDAR, "bastion": BASTION}
 
 
 # Short option names a method spec may use: `recguide[corr=1;cont=0;blocks=8/16/32]`.

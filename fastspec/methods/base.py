@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -59,6 +59,7 @@ class RunInfo:
     step_ms: dict                               # (rows, width, variant) -> measured ms
     # T(rows, tokens) in ms of one forward, from the device's profile (graphs/profile.ForwardCost)
     forward_ms: Callable[[int, int], float] = field(default=lambda rows, tokens: 1.0 + 0.05 * rows * tokens)
+    model: Any = None                           # the target model (a method with its own drafter binds to it)
 
 
 class Method:

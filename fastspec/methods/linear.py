@@ -36,6 +36,17 @@ def draft_stats(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tenso
     return p_draft, p1, p1 - p2
 
 
+def draft_logits(step, pending: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """The draft forward `[seed, MASK×(n−1)]` in the adapter's convention: aligned logits
+    [S, n, V] whose index i proposes d(i+1), MASK excluded (row s drafts its first blocks[s])."""
+    S, conv = pending.shape[0], step.convention
+    ids = torch.full((S, n), step.mask_token_id, dtype=torch.long, device=pending.device)
+    ids[:, 0] = pending
+    logits = step.forward(ids, draft_block_mask(conv, blocks, n),
+                          adapter_on=draft_adapter_flags(conv, S, n, pending.device))
+    return aligned_draft_logits(conv, logits, step.mask_token_id)
+
+
 class LinearSS(Method):
     name = "linear"
     needs_adapter = True
@@ -50,12 +61,8 @@ class LinearSS(Method):
     def draft(self, step, pending: torch.Tensor, blocks: torch.Tensor):
         """Draft forward: drafts [S, n], the drafter's filtered log-probs [S, n, V] (None under
         greedy: q is never needed) and its logits."""
-        S, n, conv = pending.shape[0], step.width, step.convention
-        ids = torch.full((S, n), step.mask_token_id, dtype=torch.long, device=pending.device)
-        ids[:, 0] = pending
-        logits = step.forward(ids, draft_block_mask(conv, blocks, n),
-                              adapter_on=draft_adapter_flags(conv, S, n, pending.device))
-        logits = aligned_draft_logits(conv, logits, step.mask_token_id)
+        S, n = pending.shape[0], step.width
+        logits = draft_logits(step, pending, blocks, n)
         s = step.sampler
         if not s.any_sampled:
             return logits.argmax(-1), None, logits

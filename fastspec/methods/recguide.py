@@ -50,6 +50,51 @@ CORR1, CORR2, CONT = 0, 1, 2    # branch kinds, in the reference policy's order
 H_RISKY, H_WANTED, H_COVERED, H_HIT, H_SLOTS = 0, 1, 2, 5, 6
 
 
+def overlap_layout(step, verify_ids, blocks, anchors, firsts, seeded):
+    """Tokens [S, N], mask among them [S, N, N], adapter flags [S, N] and RoPE positions
+    relative to the committed length [S, N] for the verify row plus one branch per slot
+    (N = n · (1 + slots)); see the module docstring for a worked example."""
+    S, n = verify_ids.shape
+    dev = verify_ids.device
+    conv = step.convention
+    full = torch.full((S,), n, dtype=torch.long, device=dev)
+    seed_mask = draft_block_mask(conv, full, n)                     # [S, n, n] seeded block
+    all_see = torch.ones(S, n, n, dtype=torch.bool, device=dev)     # continuation: all masks
+    seed_flags = draft_adapter_flags(conv, S, n, dev)
+    i = torch.arange(n, device=dev)
+    ids, rel, adapter = [verify_ids], [i.expand(S, n)], [torch.zeros(S, n, dtype=torch.bool, device=dev)]
+    blocks_rows = [torch.cat([causal_block(n, dev).expand(S, n, n),
+                              torch.zeros(S, n, n * len(anchors), dtype=torch.bool, device=dev)], 2)]
+    for j, (anchor, first, is_seeded) in enumerate(zip(anchors, firsts, seeded)):
+        tok = torch.full((S, n), step.mask_token_id, dtype=torch.long, device=dev)
+        tok[:, 0] = first
+        ids.append(tok)
+        rel.append(anchor[:, None] + i[None, :])
+        adapter.append(torch.where(is_seeded[:, None], seed_flags, torch.ones_like(seed_flags)))
+        sees_verify = (i[None, :] < anchor[:, None])[:, None, :].expand(S, n, n)
+        own = torch.where(is_seeded[:, None, None], seed_mask, all_see)
+        parts = [sees_verify]
+        for jj in range(len(anchors)):
+            parts.append(own if jj == j else torch.zeros(S, n, n, dtype=torch.bool, device=dev))
+        blocks_rows.append(torch.cat(parts, 2))
+    return (torch.cat(ids, 1), torch.cat(blocks_rows, 1), torch.cat(adapter, 1),
+            torch.cat(rel, 1))
+
+
+def alternatives(logits: torch.Tensor, drafts: torch.Tensor, eos_ids=()):
+    """[S, n] the draft's best token other than its own draft, MASK (already -inf) and EOS,
+    and the drafter's probability of it."""
+    logits = logits.float()
+    # One elementwise mask (fuses into the argmax; a scatter into a copy of the logits does not).
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    banned = vocab == drafts[..., None]
+    for e in eos_ids:
+        banned = banned | (vocab == e)
+    alt = logits.masked_fill(banned, float("-inf")).argmax(-1)
+    p_alt = (logits.gather(-1, alt[..., None])[..., 0] - logits.logsumexp(-1)).exp()
+    return alt, p_alt
+
+
 class RecGuide(LinearSS):
     name = "recguide"
     layout = "overlap"
@@ -325,17 +370,7 @@ class RecGuide(LinearSS):
         return RoundOutput(emitted, n_emitted, accepted, prob, conf, margin, carry=new, host=host)
 
     def alternatives(self, logits: torch.Tensor, drafts: torch.Tensor):
-        """[S, n] the draft's best token other than its own draft, MASK (already -inf) and EOS,
-        and the drafter's probability of it."""
-        logits = logits.float()
-        # One elementwise mask (fuses into the argmax; a scatter into a copy of the logits does not).
-        vocab = torch.arange(logits.shape[-1], device=logits.device)
-        banned = vocab == drafts[..., None]
-        for e in self.eos_ids:
-            banned = banned | (vocab == e)
-        alt = logits.masked_fill(banned, float("-inf")).argmax(-1)
-        p_alt = (logits.gather(-1, alt[..., None])[..., 0] - logits.logsumexp(-1)).exp()
-        return alt, p_alt
+        return alternatives(logits, drafts, self.eos_ids)
 
     def candidates(self, step, blocks, margin, prob, alt_prob, bonus_guess):
         """Up to 3 branches per row in slot order: (aligned index [S, 3] of the draft a correction
@@ -382,36 +417,7 @@ class RecGuide(LinearSS):
         wanted = by_kind.long().sum(-1, keepdim=True) > torch.arange(3, device=dev)[None, :]
         return idx, kinds == CONT, wanted, c
 
-    @staticmethod
-    def overlap_layout(step, verify_ids, blocks, anchors, firsts, seeded):
-        """Tokens [S, N], mask among them [S, N, N], adapter flags [S, N] and RoPE positions
-        relative to the committed length [S, N] for the verify row plus one branch per slot
-        (N = n · (1 + slots)); see the module docstring for a worked example."""
-        S, n = verify_ids.shape
-        dev = verify_ids.device
-        conv = step.convention
-        full = torch.full((S,), n, dtype=torch.long, device=dev)
-        seed_mask = draft_block_mask(conv, full, n)                     # [S, n, n] seeded block
-        all_see = torch.ones(S, n, n, dtype=torch.bool, device=dev)     # continuation: all masks
-        seed_flags = draft_adapter_flags(conv, S, n, dev)
-        i = torch.arange(n, device=dev)
-        ids, rel, adapter = [verify_ids], [i.expand(S, n)], [torch.zeros(S, n, dtype=torch.bool, device=dev)]
-        blocks_rows = [torch.cat([causal_block(n, dev).expand(S, n, n),
-                                  torch.zeros(S, n, n * len(anchors), dtype=torch.bool, device=dev)], 2)]
-        for j, (anchor, first, is_seeded) in enumerate(zip(anchors, firsts, seeded)):
-            tok = torch.full((S, n), step.mask_token_id, dtype=torch.long, device=dev)
-            tok[:, 0] = first
-            ids.append(tok)
-            rel.append(anchor[:, None] + i[None, :])
-            adapter.append(torch.where(is_seeded[:, None], seed_flags, torch.ones_like(seed_flags)))
-            sees_verify = (i[None, :] < anchor[:, None])[:, None, :].expand(S, n, n)
-            own = torch.where(is_seeded[:, None, None], seed_mask, all_see)
-            parts = [sees_verify]
-            for jj in range(len(anchors)):
-                parts.append(own if jj == j else torch.zeros(S, n, n, dtype=torch.bool, device=dev))
-            blocks_rows.append(torch.cat(parts, 2))
-        return (torch.cat(ids, 1), torch.cat(blocks_rows, 1), torch.cat(adapter, 1),
-                torch.cat(rel, 1))
+    overlap_layout = staticmethod(overlap_layout)     # shared with TiDAR (fastspec/methods/tidar.py)
 
 
 def aligned_bonus_guess(block_logits: torch.Tensor, mask_token_id: int | None) -> torch.Tensor:

@@ -170,23 +170,38 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, write_cols: torch.Tensor, mask: torch.Tensor,
                 slots: torch.Tensor, adapter_on: torch.Tensor | None = None,
-                logits_index: torch.Tensor | None = None) -> torch.Tensor:
+                logits_index: torch.Tensor | None = None,
+                capture: tuple[int, ...] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits for new tokens.
 
         input_ids, positions, write_cols [B, N]: token ids, RoPE positions, cache columns to write.
         mask [B, N, ctx]: which of the first `ctx` cache columns each new token attends to.
         slots [B]: cache slot of each row. adapter_on [B, N] bool: draft adapter per token.
         logits_index [B, K]: compute logits only at these new-token indices (default: all N).
+        capture: layer indices whose outputs to return too (opt-in; a DFlash drafter reads them):
+        the result is then (logits, hidden [B, N, len(capture) * hidden_size]), the outputs of
+        those layers for every new token, concatenated in the order given. As in HF's
+        `output_hidden_states[i + 1]`, the last layer's output is taken after the final norm.
         """
+        if capture is not None and not all(0 <= i < len(self.layers) for i in capture):
+            raise ValueError(f"capture layers {capture} outside 0..{len(self.layers) - 1}")
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         q_scale = None if self.q_scale is None else self.q_scale[positions][..., None, None].to(x.dtype)
         gate = None if adapter_on is None else adapter_on[..., None].to(x.dtype)
-        for block in self.layers:
+        captured: dict[int, torch.Tensor] = {}
+        last = len(self.layers) - 1
+        for i, block in enumerate(self.layers):
             x = block(x, cos, sin, k_cache, v_cache, write_cols, mask, slots, gate, q_scale)
+            if capture is not None and i in capture:
+                captured[i] = self.norm(x) if i == last else x
         if logits_index is not None:
             x = torch.gather(x, 1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
-        return F.linear(self.norm(x), self.head_weight).float()
+        logits = F.linear(self.norm(x), self.head_weight).float()
+        if capture is None:
+            return logits
+        return logits, torch.cat([captured[i] for i in capture], dim=-1)
 
     # --- weights ---------------------------------------------------------------------------
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:

@@ -514,7 +514,7 @@ def find_adapter(name: str, path: Path | None) -> Path | None:
 
 def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
                device="cpu", max_context: int | None = None, adapter: str | None = "auto",
-               max_positions: int | None = None) -> LoadedModel:
+               max_positions: int | None = None, dflash: str | None = "auto") -> LoadedModel:
     """Load a model by built-in name, HF directory, .gguf file or Hub repo id (hf:owner/name).
 
     device: auto | cpu | cuda[:N] (or a torch.device); dtype: auto (bf16 on a GPU, else fp32),
@@ -522,11 +522,17 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fl
     is one, None skips it, a directory loads that adapter (an NLD checkpoint's
     `linear_spec_lora/` is its adapter); loading one sets `model.draft_convention`.
     max_context: positions the RoPE tables cover (the longest prompt + output to run); default
-    the config's, at most DEFAULT_MAX_CONTEXT. `max_positions` is its old name.
+    the config's, at most DEFAULT_MAX_CONTEXT. `max_positions` is its old name. dflash: "auto"
+    attaches the model's DFlash drafter when there is one (`dflash/` beside the checkpoint or
+    shipped for a built-in name; `model.dflash`), a directory loads that one, None skips it.
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     loaded = _load_base(name_or_path, dtype, device, max_context or max_positions)
+    from fastspec.model.dflash import find_dflash, load_dflash
+    where = find_dflash(loaded.name, loaded.path) if dflash == "auto" else dflash
+    if where is not None:
+        load_dflash(where, loaded.model)
     nld_info = loaded.cfg.extra.get("nld")
     if nld_info is not None and adapter == "auto" and loaded.path:
         from fastspec.model.nld import LORA_DIR, load_linear_spec_lora

@@ -1,0 +1,178 @@
+"""BASTION: budget-aware tree drafting from one draft's position-wise marginals.
+
+One round, draft block B = 8 (max depth 7), node budget N from the planner:
+
+    1. draft forward  [seed, M×7], LinearSS's layout (the adapter's convention): aligned index d
+       gives the marginal of the token at depth d+1; its K best tokens are the candidates there.
+    2. tree           best first by path probability (fastspec/tree.best_first_tree): pop the best
+                      candidate, push its best child and its next sibling; stop once a node no
+                      longer pays for its share of the round's cost T(n) (profile roofline).
+    3. verify forward the N nodes as one tree (each sees its ancestors and the prefix; positions
+                      L + depth; adapter off: the base model), accept_tree, and the accepted
+                      path's K/V is compacted to L+1.. (RoundOutput.commit_cols).
+
+    marginals (K = 2)      tree (N = 6), nodes in the order best-first adds them
+      depth 1: a .7  b .2        s            node     s  a  c  e  d  b
+      depth 2: c .6  d .3       / \\          parent   -  0  1  2  1  0
+      depth 3: e .9  ...       a   b          depth    0  1  2  3  2  1
+                              / \\            path p   1 .7 .42 .378 .21 .2
+                             c   d
+                             |
+                             e
+
+Probabilities the rule reads: the drafter's softmax for greedy rows (its estimate that a token is
+the verifier's argmax), the filtered law at the row's temperature for sampled rows. Under
+fastspec's convention the seed's logit is the verifier's own, so depth 1 uses the exact target
+law (greedy: one node, the argmax). EOS may be a node: the engine ends the request there.
+
+Node budget per request per round (host side, `plan`): the smallest bucket holding the size the
+rule wanted last round (one bucket up when it wanted more than the budget). Inside a
+step of width N every node is computed anyway, so the tree fills the budget with the next most
+likely candidates (`fill`), and steps are keyed by (rows, N) with bounded padding.
+"""
+from __future__ import annotations
+
+import torch
+
+from fastspec.config import FastspecError
+from fastspec.graphs.keys import BATCH_BUCKETS
+from fastspec.methods.base import Method, Plan, RoundOutput, RunInfo
+from fastspec.methods.linear import draft_logits, draft_stats
+from fastspec.sampling import filtered_logprobs
+from fastspec.tree import best_first_tree, tree_mask
+from fastspec.verify import accept_tree
+
+BUDGETS = (8, 16, 32)
+H_WANTED, H_NODES = 0, 1        # host columns: nodes the rule wanted, nodes laid out (valid)
+
+
+def exact_first_draft(conv) -> bool:
+    """The seed's draft logit is the verifier's own (causal seed without the adapter, shifted)."""
+    return conv.shift and conv.seed_attention == "causal" and not conv.seed_adapter
+
+
+class BASTION(Method):
+    name = "bastion"
+    needs_adapter = True
+    layout = "tree"
+    forwards = 2
+    bucketing = True
+
+    def __init__(self, block: int = 16, draft_block: int = 8, top_k: int = 8,
+                 budgets: tuple[int, ...] = BUDGETS, fill: bool = True):
+        """block: the starting node budget (one of `budgets`). draft_block: the draft forward's
+        width (max tree depth draft_block − 1). top_k: candidates per depth. fill: fill the
+        budget after the stopping rule (nodes cost nothing extra in a step of that width)."""
+        budgets = (budgets,) if isinstance(budgets, int) else tuple(sorted(set(budgets)))
+        if block not in budgets:
+            raise FastspecError(f"bastion: starting budget {block} must be one of {budgets}")
+        if min(budgets) < 2:
+            raise FastspecError(f"bastion: node budgets must be >= 2, got {budgets}")
+        if not 2 <= draft_block <= 64:
+            raise FastspecError(f"bastion: draft block must be in 2..64, got {draft_block}")
+        if top_k < 1:
+            raise FastspecError(f"bastion: top_k must be >= 1, got {top_k}")
+        super().__init__(block)
+        self.budgets, self.draft_block, self.top_k, self.fill = budgets, draft_block, top_k, bool(fill)
+        self.max_depth = draft_block - 1
+        # (rows, budget) -> T[n], the ms of a round with an n-node tree: read inside the traced
+        # step (a constant there); one dict updated in place so compiled steps stay valid.
+        self.cost_tables: dict[tuple[int, int], tuple[float, ...]] = {}
+        self.begin(None)
+
+    # --- host side --------------------------------------------------------------------------
+    def key_name(self) -> str:
+        return (f"bastion(draft={self.draft_block},k={self.top_k},"
+                f"budgets={'/'.join(map(str, self.budgets))},fill={int(self.fill)})")
+
+    def begin(self, run) -> None:
+        run = run or RunInfo(1, 1, set(), {})          # a nominal cost model until a run gives one
+        self.forward_ms = run.forward_ms
+        for rows in (b for b in BATCH_BUCKETS if b <= max(run.rows, 1)):
+            for budget in self.budgets:
+                self.cost_tables[(rows, budget)] = self._costs(rows, budget)
+        self.stats = {"rounds": 0, "wanted": 0, "nodes": 0, "budget": 0, "tokens": 0}
+        self.budget_rounds: dict[int, int] = {}
+
+    def _costs(self, rows: int, budget: int) -> tuple[float, ...]:
+        draft = self.forward_ms(rows, self.draft_block)
+        return tuple(draft + self.forward_ms(rows, max(n, 1)) for n in range(budget + 2))
+
+    def cost_table(self, rows: int, budget: int) -> tuple[float, ...]:
+        """T[n], n = 0 .. budget + 1: ms of a round (draft forward + an n-node tree forward) at
+        `rows` batch rows."""
+        if (rows, budget) not in self.cost_tables:      # a bucket the run did not announce
+            self.cost_tables[(rows, budget)] = self._costs(rows, budget)
+        return self.cost_tables[(rows, budget)]
+
+    def plan(self, seq) -> Plan:
+        h = seq.host
+        budget = seq.block or self.block
+        if h:
+            wanted = h[H_WANTED]
+            st = self.stats
+            st["rounds"] += 1
+            st["wanted"] += wanted
+            st["nodes"] += h[H_NODES]
+            st["budget"] += budget
+            st["tokens"] += seq.accept_lengths[-1] if seq.accept_lengths else 0
+            if wanted > budget:           # the rule wanted more than the budget: one bucket up
+                budget = next((b for b in self.budgets if b > budget), self.budgets[-1])
+            else:
+                budget = next(b for b in self.budgets if b >= wanted)
+        self.budget_rounds[budget] = self.budget_rounds.get(budget, 0) + 1
+        return Plan(budget)
+
+    def plans(self) -> list[Plan]:
+        return [Plan(b) for b in self.budgets]
+
+    def max_block(self) -> int:
+        return self.max_depth + 1            # the path after the seed plus the verifier's token
+
+    def max_width(self) -> int:
+        return max(max(self.budgets), self.draft_block)
+
+    def report(self) -> dict:
+        """Average tree sizes (nodes the rule wanted, nodes laid out, budget) and tokens per round."""
+        st = self.stats
+        r = max(st["rounds"], 1)
+        n = max(sum(self.budget_rounds.values()), 1)
+        return {"rounds": st["rounds"], "mean_wanted_nodes": st["wanted"] / r,
+                "mean_nodes": st["nodes"] / r, "mean_budget": st["budget"] / r,
+                "tau": st["tokens"] / r,
+                "budget_share": {b: c / n for b, c in sorted(self.budget_rounds.items())}}
+
+    # --- inside the step --------------------------------------------------------------------
+    def marginals(self, step, logits: torch.Tensor) -> torch.Tensor:
+        """[S, D, V] per-depth probabilities the tree is built from (see the module docstring)."""
+        s = step.sampler
+        S = logits.shape[0]
+        probs = logits.float().softmax(-1)
+        law = None
+        if s.any_sampled:     # sampled rows: the filtered law they are verified against
+            law = filtered_logprobs(logits, s.temperature[:S], s.top_k[:S], s.top_p[:S],
+                                    s.any_filtered).exp()
+            probs = torch.where((s.temperature[:S] > 0)[:, None, None], law, probs)
+        if exact_first_draft(step.convention):
+            # Depth 1 is the verifier's own law (greedy rows: a point mass at the argmax).
+            vocab = torch.arange(logits.shape[-1], device=logits.device)
+            first = law[:, :1] if law is not None else \
+                (vocab == logits[:, :1].argmax(-1, keepdim=True)).float()
+            probs = torch.cat([first, probs[:, 1:]], 1)
+        return probs
+
+    def round(self, step, pending, blocks, carry, variant="") -> RoundOutput:
+        N, S, D = step.width, pending.shape[0], self.max_depth
+        logits = draft_logits(step, pending, torch.full_like(pending, self.draft_block), self.draft_block)[:, :D]      # [S, D, V]
+        top_probs, top_tokens = self.marginals(step, logits).topk(self.top_k, dim=-1)
+        tree = best_first_tree(top_tokens, top_probs, N, self.cost_table(S, N), root=pending,
+                               fill=self.fill)
+        mask, depth = tree_mask(tree.parents)
+        target_logits = step.forward(tree.tokens, mask, rel_positions=depth)
+        emitted, n_emitted, accepted, path = accept_tree(tree.tokens, tree.parents, tree.valid,
+                                                         target_logits, step.sampler, mask, depth, D)
+        # Draft statistics of the accepted chain (the path's tokens at depths 1..D).
+        prob, conf, margin = draft_stats(logits, tree.tokens.gather(1, path))
+        host = torch.stack([tree.wanted, tree.valid.long().sum(-1)], 1)
+        return RoundOutput(emitted, n_emitted, accepted, prob, conf, margin, host=host,
+                           commit_cols=path)

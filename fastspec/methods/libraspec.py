@@ -1,0 +1,233 @@
+"""LibraSpec: a training-free dynamic speculative length from the draft's own confidences and the
+device's forward cost, on LinearSS's draft/verify rounds.
+
+Length. γ is the number of drafts a verify forward judges: a chain verify of width b is
+`[s d1 .. d(b-1)]` and judges d1..d(b-1) (verify.accept_chain), so γ = b − 1 and its cost is
+T(γ) := forward_ms(rows, γ + 1), one forward of the seed plus γ drafts at the current batch:
+rows = the run's batch bucket (C in flight; `cost_rows="step"`: the rows of the step itself).
+
+Stop rule, per row. c_i is the drafter's confidence at draft d_i (its top-1 probability, which
+is the probability of its own draft under greedy; d1 is exact under fastspec's convention, so
+c_1 = 1 there). P_k = Π_{i≤k} c_i is the chance that d1..dk are all accepted and
+E(γ) = Σ_{k≤γ} P_k the expected accepted drafts when γ are judged. Starting at γ = 0, extend to
+γ + 1 while
+
+    P_{γ+1} · T(γ)  >  E(γ) · (T(γ+1) − T(γ))      i.e.  E(γ+1) / T(γ+1)  >  E(γ) / T(γ),
+
+so γ is the first local maximum of accepted drafts per verify millisecond (the global one when
+T is convex: E is concave because c_i <= 1). Worked example, c = 1 .9 .8 .7 .6 .5 .5 .4 and
+the shipped CPU profile of SmolLM2-135M:
+
+    γ                0      1      2      3      4      5      6      7      8
+    P_{γ+1}          1      .9     .72    .504   .302   .151   .0756  .0302
+    E(γ)             0      1      1.9    2.62   3.12   3.43   3.58   3.65   3.68
+    T(γ) rows = 1    19.69  19.70  19.71  19.72  19.73  19.73  19.90  20.73  21.56
+    T(γ) rows = 8    48.37  48.44  48.50  48.56  48.63  53.83  60.44  67.06  73.68
+
+    rows = 1: ... 5 -> 6: .151·19.73 = 2.98 > 3.43·0.17 = 0.58 yes; 6 -> 7: .0756·19.90 = 1.50
+              > 3.58·0.83 = 2.97 no: γ = 6 (a verify of 7 tokens, width 8)
+    rows = 8: ... 4 -> 5: .302·48.63 = 14.7 > 3.12·5.20 = 16.2 no: γ = 4 (5 tokens, width 8)
+
+At a larger batch each extra token costs more relative to the forward (the step turns
+compute-bound sooner), so the chosen lengths shrink as concurrency grows.
+
+Rounds. A round is one traced step of one static width W (a draft forward `[s M×(W−1)]`, which
+proposes d1..dW, then the verify `[s d1..d(W−1)]`), so the length chosen from a round's
+confidences sets the width of the request's next round, on the host: W' = the smallest block of
+`blocks` holding γ + 1 tokens. A row whose rule was still extending at its last known confidence
+(`capped`: γ = W under fastspec's shift, W − 1 unshifted) asks for one token more, so it grows a
+bucket:
+
+    W = 8, c1..c8 -> γ = 3   : next width 4  (judges d1..d3)
+    W = 8, c1..c8 -> γ = 8   : capped, next width 16
+    W = 4, c1..c4 -> γ = 2   : next width 4
+
+Within a round the verify judges every draft its width holds (W − 1 ≥ the previous round's γ):
+the forward has computed those logits anyway, so judging them is free and only adds accepted
+tokens. Requests with equal widths run together (bucketing); the draft width equals the verify
+width, so the round costs 2·T(W − 1) and the rule (homogeneous in T) is the same for it.
+
+Sampling stays lossless: a round's width is fixed by earlier rounds, and the confidences are
+top-1 probabilities of the drafter's distributions, not of its sampled tokens.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable, Sequence
+
+import torch
+
+from fastspec.config import FastspecError
+from fastspec.graphs.keys import BATCH_BUCKETS
+from fastspec.layout import causal_block
+from fastspec.methods.base import Plan, RoundOutput, RunInfo
+from fastspec.methods.linear import BLOCK_SIZES, LinearSS, draft_stats
+from fastspec.verify import accept_chain
+
+# RoundOutput.host columns: the chosen length, "still extending at the last known draft", the
+# rows whose forward cost chose it.
+H_GAMMA, H_CAPPED, H_ROWS = 0, 1, 2
+
+
+def stop_length(conf: Sequence[float], cost: Sequence[float]) -> int:
+    """The stop rule on the host, in plain Python: γ for confidences conf[k-1] = c_k (k = 1..n)
+    and costs cost[g] = T(g) (g = 0..n). The tensor version is `choose_lengths`."""
+    p, expected, g = 1.0, 0.0, 0
+    while g < len(conf):
+        p_next = p * conf[g]
+        if not p_next * cost[g] > expected * (cost[g + 1] - cost[g]):
+            break
+        p, expected, g = p_next, expected + p_next, g + 1
+    return g
+
+
+def choose_lengths(conf: torch.Tensor, cost: torch.Tensor) -> torch.Tensor:
+    """γ [S] for confidences conf [S, n] (column k-1 is c_k; 0 past a row's known drafts) and
+    costs cost [n + 1] (T(0) .. T(n)): the number of leading γ = 0..n-1 at which the rule
+    extends.
+
+        c = [1 .9 .5], T = [10 10 12 16]:  P = [1 .9 .45], E(γ) = [0 1 1.9]
+        extend?  γ=0: 1·10 > 0·0 yes   γ=1: .9·10 > 1·2 yes   γ=2: .45·12 = 5.4 > 1.9·4 no -> 2
+    """
+    p = conf.float().cumprod(-1)                                      # P_{γ+1}, γ = 0..n-1
+    e_before = torch.cat([torch.zeros_like(p[:, :1]), p.cumsum(-1)[:, :-1]], 1)     # E(γ)
+    t_now, t_step = cost[:-1], cost[1:] - cost[:-1]
+    extend = p * t_now > e_before * t_step                            # [S, n]
+    return extend.long().cumprod(-1).sum(-1)
+
+
+class LibraSpec(LinearSS):
+    name = "libraspec"
+    layout = "linear"               # LinearSS's two forwards; the GraphKey names the method
+    bucketing = True                # each width its own step over its own rows
+    forwards = 2
+
+    def __init__(self, block: int = 8, blocks: tuple[int, ...] | int = BLOCK_SIZES,
+                 cost_rows: str = "batch"):
+        """block: the width of a request's first round. blocks: the verify widths the chosen
+        lengths are rounded up to (each a step of its own, warmed before timing).
+        cost_rows: the rows T is read at: "batch", the run's batch bucket (the load C; requests
+        split into widths still pay for the whole round), or "step", the rows of the step that
+        ran the round (a group of few rows sees cheap tokens and keeps its long widths)."""
+        super().__init__(block)
+        if cost_rows not in ("batch", "step"):
+            raise FastspecError(f"libraspec cost_rows must be batch or step, got {cost_rows!r}")
+        self.cost_rows = cost_rows
+        blocks = (blocks,) if isinstance(blocks, int) else blocks
+        self.blocks = tuple(sorted(set(blocks)))
+        bad = [b for b in self.blocks if b not in BLOCK_SIZES]
+        if bad or not self.blocks:
+            raise FastspecError(f"libraspec blocks must be among {BLOCK_SIZES}, got {blocks}")
+        if block not in self.blocks:
+            raise FastspecError(f"libraspec start block {block} must be one of {self.blocks}")
+        self.costs: dict[int, tuple[float, ...]] = {}
+        self.begin(None)
+
+    # --- host side --------------------------------------------------------------------------
+    def key_name(self) -> str:
+        # "batch" bakes T at the run's rows into every step: a run at another C gets its own.
+        rows = self.run.rows if self.cost_rows == "batch" else "step"
+        return f"libraspec(blocks={'/'.join(map(str, self.blocks))},start={self.block},T@{rows})"
+
+    def begin(self, run: RunInfo | None) -> None:
+        run = run or RunInfo(1, 1, set(), {})          # a nominal cost model until a run gives one
+        self.run = run
+        self.cost_source = getattr(run.forward_ms, "source", "given")
+        costs = self.cost_table(run.forward_ms)
+        # Same numbers, same object: a compiled step that baked the old table stays valid.
+        if costs != self.costs:
+            self.costs = costs
+        self.gammas: Counter = Counter()            # chosen length -> rounds
+        self.widths: Counter = Counter()            # verify width -> rounds
+        self.capped = 0
+        self.by_rows: dict[int, list[int]] = {}     # rows T was read at -> [Σγ, rounds]
+
+    def cost_table(self, forward_ms: Callable[[int, int], float]) -> dict[int, tuple[float, ...]]:
+        """{rows: (T(0) .. T(max block))} for every batch bucket: T(γ) = forward_ms(rows, γ + 1).
+        A step reads its row's table as constants (its rows are static)."""
+        n = self.max_block()
+        return {rows: tuple(float(forward_ms(rows, g + 1)) for g in range(n + 1))
+                for rows in BATCH_BUCKETS}
+
+    def costs_for(self, rows: int) -> tuple[float, ...]:
+        table = self.costs.get(rows)
+        if table is None:                           # not a bucket (hand-built steps in tests)
+            table = tuple(float(self.run.forward_ms(rows, g + 1)) for g in range(self.max_block() + 1))
+        return table
+
+    def plans(self) -> list[Plan]:
+        return [Plan(b) for b in self.blocks]
+
+    def max_block(self) -> int:
+        return max(self.blocks)
+
+    def width_for(self, gamma: int, capped: bool) -> int:
+        """The next verify width: the smallest block holding γ + 1 tokens (one more when the rule
+        was still extending at the last draft it could see), else the widest."""
+        need = gamma + 1 + int(capped)
+        return next((b for b in self.blocks if b >= need), self.blocks[-1])
+
+    def plan(self, seq) -> Plan:
+        h = seq.host
+        if not h:                                   # first round: no confidences yet
+            width = seq.block or self.block
+        else:
+            gamma, capped, rows = h[H_GAMMA], h[H_CAPPED], h[H_ROWS]
+            self.gammas[gamma] += 1
+            self.capped += capped
+            acc = self.by_rows.setdefault(rows, [0, 0])
+            acc[0] += gamma
+            acc[1] += 1
+            width = self.width_for(gamma, bool(capped))
+        self.widths[width] += 1
+        return Plan(width)
+
+    def report(self) -> dict:
+        """The last run, at its concurrency: the share of rounds per verify width (every planned
+        round) and per chosen length γ (every round a next round was planned from: a request's
+        last round is not), mean γ overall and per rows T was read at, and T(γ) at the run's
+        rows."""
+        n_g = max(sum(self.gammas.values()), 1)
+        n_w = max(sum(self.widths.values()), 1)
+        return {"concurrency": self.run.concurrency, "rows": self.run.rows,
+                "cost_source": self.cost_source,
+                "rounds": sum(self.gammas.values()),
+                "mean_gamma": sum(g * c for g, c in self.gammas.items()) / n_g,
+                "gamma_share": {g: c / n_g for g, c in sorted(self.gammas.items())},
+                "width_share": {w: c / n_w for w, c in sorted(self.widths.items())},
+                "mean_width": sum(w * c for w, c in self.widths.items()) / n_w,
+                "capped_share": self.capped / n_g,
+                "mean_gamma_by_rows": {r: s / max(k, 1) for r, (s, k) in sorted(self.by_rows.items())},
+                "cost_ms": {g: round(t, 3) for g, t in
+                            enumerate(self.costs_for(self.run.rows)[:9])}}
+
+    # --- inside the step --------------------------------------------------------------------
+    def lengths(self, step, conf: torch.Tensor, blocks: torch.Tensor):
+        """(γ [S], capped [S], rows T was read at) from the round's top-1 confidences conf
+        [S, n] (aligned: index i is d(i+1))."""
+        S, n = conf.shape
+        conv = step.convention
+        i = torch.arange(n, device=conf.device)
+        # A row knows drafts d1..d(b) when shifted (d(b) guesses the bonus), d1..d(b-1) when not
+        # (the last aligned index repeats the one before: no proposal of its own).
+        known = blocks - (0 if conv.shift else 1)
+        exact_first = conv.shift and conv.seed_attention == "causal" and not conv.seed_adapter
+        c = torch.where(i[None, :] < known[:, None], conf.float(), torch.zeros_like(conf, dtype=torch.float))
+        if exact_first:                             # d1 is the verifier's own next token
+            c = torch.cat([torch.ones_like(c[:, :1]), c[:, 1:]], 1)
+        rows = self.run.rows if self.cost_rows == "batch" else S     # static: baked in the step
+        cost = torch.tensor(self.costs_for(rows)[: n + 1], dtype=torch.float32, device=conf.device)
+        gamma = choose_lengths(c, cost)
+        return gamma, gamma >= known, rows
+
+    def round(self, step, pending, blocks, carry, variant="") -> RoundOutput:
+        n = step.width
+        drafts, draft_logp, draft_logits = self.draft(step, pending, blocks)
+        verify_ids = torch.cat([pending[:, None], drafts[:, : n - 1]], dim=1)
+        target_logits = step.forward(verify_ids, causal_block(n, pending.device))
+        emitted, n_emitted, accepted = accept_chain(drafts, target_logits, blocks, step.sampler,
+                                                    draft_logp)
+        prob, conf, margin = draft_stats(draft_logits, drafts)
+        gamma, capped, rows = self.lengths(step, conf, blocks)
+        host = torch.stack([gamma, capped.long(), torch.full_like(gamma, rows)], 1)
+        return RoundOutput(emitted, n_emitted, accepted, prob, conf, margin, host=host)

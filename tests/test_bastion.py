@@ -1,0 +1,163 @@
+"""BASTION: a best-first token tree from one draft's marginals, verified in one forward; the
+accepted path's K/V is compacted into place, and the output is exactly AR's."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import random_token_prompts, tiny_drafter
+from fastspec.engine import Engine
+from fastspec.methods.bastion import BASTION, H_NODES, H_WANTED
+from fastspec.sampling import SamplingParams
+
+
+class RecordingBASTION(BASTION):
+    """Keeps every decoding round's accepted paths (eager runs only: a traced round writes no
+    state). The warm-up's dummy rounds come before the first `plan` and are not kept."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.rounds, self.live = [], False
+
+    def plan(self, seq):
+        self.live = True
+        return super().plan(seq)
+
+    def round(self, step, pending, blocks, carry, variant=""):
+        out = super().round(step, pending, blocks, carry, variant)
+        if self.live:
+            self.rounds.append((out.commit_cols.clone(), out.n_drafted.clone()))
+        return out
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(tiny_drafter(), backend="eager")
+
+
+@pytest.mark.parametrize("concurrency", [1, 3, 8])
+def test_greedy_bastion_equals_ar_token_for_token(engine, concurrency):
+    prompts = random_token_prompts(8, seed=concurrency)
+    params = SamplingParams(max_new_tokens=36)
+    ar = engine.generate(prompts, params, concurrency=concurrency)
+    method = RecordingBASTION()
+    out = engine.generate(prompts, params, method=method, concurrency=concurrency)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    # d1 is the verifier's own token (fastspec's convention): every round commits >= 2 tokens
+    # except a last one cut short by the budget or EOS.
+    for c in out:
+        assert min(c.accept_lengths[:-1], default=2) >= 2
+    # The trees really branched: some accepted path left the first-child chain 1, 2, 3, ...
+    assert any(cols[r, :a].tolist() != list(range(1, a + 1))
+               for cols, acc in method.rounds for r, a in enumerate(acc.tolist()))
+
+
+def test_greedy_bastion_equals_ar_under_the_nld_convention():
+    """An unshifted drafter (no exact d1): the depth-1 candidates come from its marginals too."""
+    from fastspec.convention import NLD
+    loaded = tiny_drafter(seed=7)
+    loaded.model.draft_convention = NLD
+    engine = Engine(loaded, backend="eager")
+    prompts = random_token_prompts(4, seed=13)
+    params = SamplingParams(max_new_tokens=24)
+    ar = engine.generate(prompts, params, concurrency=2)
+    out = engine.generate(prompts, params, method=BASTION(), concurrency=2)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+
+
+def test_greedy_bastion_compiled_equals_ar():
+    engine = Engine(tiny_drafter(seed=6), backend="compile", compiler="aot_eager")
+    prompts = random_token_prompts(2, seed=11)
+    params = SamplingParams(max_new_tokens=24)
+    ar = engine.generate(prompts, params)
+    out = engine.generate(prompts, params, method=BASTION(block=8, budgets=(8, 16)))
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    assert engine.last_stats.recompiles == 0
+
+
+def test_compaction_leaves_the_cache_exactly_as_ar_would(engine):
+    """After a run, the committed columns of every slot hold the K/V of prompt + output: the
+    accepted paths (tree nodes written at L+i) were moved to L+1.. exactly."""
+    prompts = random_token_prompts(3, seed=22, max_len=12)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    method = RecordingBASTION()
+    out = engine.generate(prompts, params, method=method, concurrency=3)
+    cols = [len(p) + len(c.token_ids) - 1 for p, c in zip(prompts, out)]   # the last is never fed
+    tree_kv = [(engine.cache.k[:, s, :, :n].clone(), engine.cache.v[:, s, :, :n].clone())
+               for s, n in enumerate(cols)]                                   # request i: slot i
+    ar = engine.generate(prompts, params, concurrency=3)
+    assert [c.token_ids for c in ar] == [c.token_ids for c in out]
+    for s, ((k, v), n) in enumerate(zip(tree_kv, cols)):
+        assert torch.allclose(k, engine.cache.k[:, s, :, :n], atol=1e-5)
+        assert torch.allclose(v, engine.cache.v[:, s, :, :n], atol=1e-5)
+    # Some accepted path left the first-child chain, so K/V really moved.
+    moved = [c[r, :a].tolist() for c, acc in method.rounds for r, a in enumerate(acc.tolist())]
+    assert any(m != list(range(1, len(m) + 1)) for m in moved)
+
+
+def test_compact_path_moves_exactly_the_accepted_path():
+    """accept_tree's commit_cols through engine.compact_path: with K/V tagged by column, the
+    path s -> 2 -> 5 -> 6 of a tree at L = 4 lands at columns 5, 6, 7; nothing else changes."""
+    from fastspec.engine import compact_path
+    from fastspec.sampling import SamplerState
+    from fastspec.verify import accept_tree
+    parents = torch.tensor([[-1, 0, 0, 1, 3, 2, 5]])
+    tokens = torch.tensor([[9, 0, 1, 4, 2, 3, 4]])
+    y = [1, 5, 3, 0, 0, 4, 0]                      # the verifier's argmax at each node
+    logits = torch.full((1, 7, 6), -5.0).scatter(2, torch.tensor([[y]]).transpose(1, 2), 5.0)
+    _, n_emitted, _, path = accept_tree(tokens, parents, torch.ones(1, 7, dtype=torch.bool), logits,
+                                        SamplerState(1), max_depth=4)
+    assert n_emitted.tolist() == [4] and path.tolist() == [[2, 5, 6, 0]]
+    cols = torch.arange(16, dtype=torch.float)
+    k = cols[None, None, None, :, None].repeat(2, 3, 2, 1, 4)       # [layers, slots, heads, ctx, hd]
+    v = -k
+    before = k.clone()
+    compact_path(k, v, torch.tensor([1]), torch.tensor([4]), path)
+    assert k[0, 1, 0, :, 0].tolist()[:8] == [0, 1, 2, 3, 4, 6, 9, 10]   # L+1.. <- L+2, L+5, L+6
+    assert torch.equal(v, -k)
+    assert torch.equal(k[:, [0, 2]], before[:, [0, 2]])              # other slots untouched
+    assert torch.equal(k[:, 1, :, :5], before[:, 1, :, :5])          # the prefix and the seed
+
+
+def test_planner_moves_the_budget_with_the_tree_the_rule_wanted():
+    m = BASTION(block=16)
+    seq = SimpleNamespace(host=[], block=16, accept_lengths=[])
+    assert m.plan(seq).block == 16                       # no round yet: the starting budget
+    # wanted = budget + 1: the rule would have gone on past the budget.
+    for wanted, budget, nxt in ((5, 16, 8), (8, 8, 8), (9, 8, 16), (12, 16, 16), (17, 16, 32),
+                                (33, 32, 32), (9, 32, 16), (1, 8, 8)):
+        seq.host, seq.block = [0, 0], budget
+        seq.host[H_WANTED], seq.host[H_NODES] = wanted, budget
+        assert m.plan(seq).block == nxt, (wanted, budget)
+    assert sorted(p.block for p in m.plans()) == [8, 16, 32] and m.max_width() == 32
+
+
+def test_cost_tables_follow_the_profile_per_row_bucket():
+    m = BASTION()
+    run = SimpleNamespace(rows=4, forward_ms=lambda rows, n: rows * (10 + n))
+    m.begin(run)
+    assert m.cost_table(1, 8)[3] == (10 + 8) + (10 + 3)     # draft forward (width 8) + tree of 3
+    assert m.cost_table(4, 32)[33] == 4 * 18 + 4 * 43         # one past the budget: the rule's look
+    assert (8, 8) not in m.cost_tables                        # no bucket beyond the run's
+
+
+def test_bastion_sampling_matches_ar_sampling(engine):
+    """The law of the first three sampled tokens equals AR's (the second is the tree's root
+    sample, the third the verifier's draw at the depth-1 node or the next round's root)."""
+    from test_sampling_law import first, null_quantile, tv
+    big, small = 2000, 500
+
+    def sample(method, n, first_seed):
+        params = [SamplingParams(temperature=1.0, top_k=8, max_new_tokens=3, seed=first_seed + i,
+                                 ignore_eos=True) for i in range(n)]
+        return [tuple(c.token_ids[:3]) for c in
+                engine.generate([[5, 9, 11]] * n, params, method=method, concurrency=128)]
+
+    ar = sample("ar", big, 10_000)
+    tree = sample(BASTION(block=8, budgets=(8,)), big, 50_000)     # one step width: quicker
+    assert len(set(first(tree, 2))) > 10
+    for k in (2, 3):
+        large = tv(first(ar, k), first(tree, k))
+        small_tv = tv(first(ar[:small], k), first(tree[:small], k))
+        assert large <= null_quantile(first(ar, k), first(tree, k)), (k, large)
+        assert large < small_tv, (k, large, small_tv)
