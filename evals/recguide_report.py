@@ -85,6 +85,19 @@ def print_tables(console, runs: list[dict], records, block: int | None = None) -
                     f"{m['laid_out'] / n:.2f}", f"{m['coverage']:.1%}", f"{m['reuse']:.1%}",
                     f"{m['no_hit']:.1%}", " ".join(f"{k}:{v}" for k, v in m["slots_chosen"].items()))
     console.print(tab)
+    checks = [r for r in reports if (r["method_report"].get("profile_check") or {}).get("steps")]
+    if checks:
+        tab = Table(title="Round time: device-profile estimate vs measured step (ms)")
+        for col in ("method", "C", "step", "measured", "profile", "error"):
+            tab.add_column(col, justify="left" if col in ("method", "step") else "right")
+        for r in checks:
+            pc = r["method_report"]["profile_check"]
+            for key, x in pc["steps"].items():
+                tab.add_row(r["method"], str(r["concurrency"]), key, f"{x['measured']:.1f}",
+                            f"{x['profile']:.1f}", f"{x['error']:+.0%}")
+            tab.add_row(r["method"], str(r["concurrency"]), "mean |error|", "", "",
+                        f"{pc['mean_abs_error']:.0%}", end_section=True)
+        console.print(tab)
     shares = [r for r in reports if len(r["method_report"].get("block_share", {})) > 1]
     if shares:
         blocks = sorted({int(b) for r in shares for b in r["method_report"]["block_share"]})

@@ -382,3 +382,19 @@ def test_compiled_recguide_rounds_equal_eager_rounds(drafter, sampling):
         assert [c.token_ids for c in out] == [c.token_ids for c in ref]
         assert [c.accept_lengths for c in out] == [c.accept_lengths for c in ref]
         assert engine.last_stats.recompiles == 0
+
+
+def test_round_time_estimate_from_the_profile():
+    """A round's time from the profile: overlap forward of (1 + k)·B tokens, plus the draft
+    forward unless the drafts were carried; compared with the measured step in the report."""
+    from fastspec.methods.base import RunInfo
+    m = RecGuide(block=8)
+    m.begin(RunInfo(1, 1, {2}, {(1, 8, "draft1"): 30.0, (1, 8, "hit1"): 16.0},
+                    lambda rows, tokens: 1.0 * tokens))
+    assert m.estimate_ms(1, 8, "draft1") == 16 + 8
+    assert m.estimate_ms(1, 8, "hit1") == 16
+    assert m.estimate_ms(1, 8, "draft0") == 8 + 8
+    check = m.profile_check()
+    assert check["steps"]["1x8:draft1"] == {"measured": 30.0, "profile": 24.0, "error": -0.2}
+    assert check["steps"]["1x8:hit1"]["error"] == 0.0
+    assert check["mean_abs_error"] == 0.1

@@ -37,7 +37,7 @@ import torch
 from fastspec.config import FastspecError
 from fastspec.convention import aligned_draft_logits, draft_block_mask, draft_adapter_flags
 from fastspec.layout import causal_block
-from fastspec.methods.base import CarrySpec, Plan, RoundOutput
+from fastspec.methods.base import CarrySpec, Plan, RoundOutput, RunInfo
 from fastspec.methods.linear import BLOCK_SIZES, LinearSS, draft_stats
 from fastspec.sampling import filtered_logprobs, sample_from_logprobs
 from fastspec.survival import SurvivalTables, choose_block, history_signal, stratum
@@ -146,6 +146,7 @@ class RecGuide(LinearSS):
         self.eos_ids: tuple[int, ...] = ()
         self.step_ms: dict = {}
         self.rows = 1
+        self.forward_ms = RunInfo(1, 1, set(), {}).forward_ms
         self.begin(None)
 
     # --- host side --------------------------------------------------------------------------
@@ -159,6 +160,7 @@ class RecGuide(LinearSS):
             self.eos_ids = tuple(sorted(run.eos_ids))
             self.step_ms = run.step_ms
             self.rows = run.rows
+            self.forward_ms = run.forward_ms
         # Counterfactual hit counts per slot: slot j's wanted branch matched the outcome.
         self.slot_covered = [0] * 3
         self.slot_trials = [0] * 3
@@ -201,6 +203,24 @@ class RecGuide(LinearSS):
 
     def ms(self, rows: int, block: int, variant: str) -> float | None:
         return self.step_ms.get((rows, block, variant))
+
+    def estimate_ms(self, rows: int, block: int, variant: str) -> float:
+        """A round's time from the device profile alone: the overlap forward of the verify row
+        plus k branch blocks, and the draft forward unless the drafts were carried (a hit)."""
+        k = int(variant[-1]) if variant else 0
+        t = self.forward_ms(rows, block * (1 + k))
+        return t if variant.startswith("hit") else t + self.forward_ms(rows, block)
+
+    def profile_check(self) -> dict:
+        """Profile estimate vs measured time of every step this run timed, and the mean absolute
+        relative error (the profile is what a cold start and a new machine plan with)."""
+        rows = {}
+        for (r, w, v), ms in sorted(self.step_ms.items()):
+            est = self.estimate_ms(r, w, v)
+            rows[f"{r}x{w}:{v}"] = {"measured": round(ms, 3), "profile": round(est, 3),
+                                    "error": round(est / ms - 1, 4)}
+        errs = [abs(x["error"]) for x in rows.values()]
+        return {"steps": rows, "mean_abs_error": round(sum(errs) / len(errs), 4) if errs else None}
 
     def gate(self, rows: int, block: int, hit: bool) -> int:
         """Branch slots for the next round: add slot j while its hit rate × the draft forward a
@@ -274,7 +294,8 @@ class RecGuide(LinearSS):
                  slots_chosen=dict(sorted(self.decisions.items())),
                  block_share={b: c / n for b, c in sorted(self.block_choices.items())},
                  step_ms={f"{rows}x{w}:{v}": round(ms, 3)
-                          for (rows, w, v), ms in sorted(self.step_ms.items())})
+                          for (rows, w, v), ms in sorted(self.step_ms.items())},
+                 profile_check=self.profile_check())
         return t
 
     # --- inside the step --------------------------------------------------------------------
