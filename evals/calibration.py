@@ -6,23 +6,41 @@ drafter's probability of the token it proposed (`draft_prob`), its top-1 probabi
 accepted (`n_drafted`) and the row's block size b. Only the accepted run and the first rejection
 say anything about a position, so each round contributes
 
+    j <  skip                     not counted (an exact draft: fastspec's d1 is the verifier's own
+                                  next token and always accepted; see `exact_positions`)
     j <  accepted                 label 1 (accepted)
     j == accepted, j < b - 1      label 0 (the first rejection)
     later positions               not counted (never judged on their own)
 
 `calibration_metrics` returns the expected calibration error (ECE) of draft_prob (and of the
-top-1 confidence) against that label, the reliability table behind it, the Brier score, and the
-AUC of the risk score 1 − (p_top1 − p_top2) for "this position is the first rejection" (1.0: the
-risk ranks every first rejection above every accepted draft; 0.5: no better than chance).
-`reliability_diagram` draws the table as a PNG (matplotlib, optional).
+top-1 confidence) against that label, the reliability table behind it, the ECE a perfectly
+calibrated drafter would show on as many positions (`ece_floor`: sampling noise alone; an ECE
+near it cannot be told from calibrated), the Brier score and log loss, and the AUC of the risk score 1 − (p_top1 − p_top2) for "this position is the first
+rejection" (1.0: the risk ranks every first rejection above every accepted draft; 0.5: no better
+than chance). Given a fitted `DraftCalibration` (fastspec.draft) it also reports the calibrated
+ECE, Brier and log loss.
+
+`fit_temperatures` fits that calibration: a temperature per aligned index on the log-odds of the
+draft probability, p_cal = sigmoid(logit(p) / T_i), by minimising the log loss of "accepted"
+(T_i > 1: the drafter was overconfident at index i).
+
+`DraftStats` gathers the per-round numbers while Engine.generate runs (no host read inside a
+round); `bench_calibration` turns them into the block `fastspec bench` writes per run.
+`reliability_diagram` draws a reliability table as a PNG (matplotlib, optional).
 """
 from __future__ import annotations
 
+import math
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+import torch
+
+MIN_COUNT = 100          # judged positions an index needs for its own temperature
+T_RANGE = (0.05, 20.0)   # fitted temperatures are clamped here (separable data would run away)
 
 
 def _np(x, dtype) -> np.ndarray:
@@ -36,7 +54,15 @@ def _rows(x) -> list[np.ndarray]:
     return [_np(r, np.float64).reshape(-1) for r in x]
 
 
-def position_labels(n_drafted, block, width: int | Sequence[int]) -> list[np.ndarray]:
+def exact_positions(convention) -> int:
+    """Leading aligned draft indices whose draft is exact (always accepted, so no evidence about
+    the drafter): 1 under fastspec's convention (the seed runs causal and without the adapter, so
+    its logit is the verifier's own next token), 0 when the seed sees the block or the adapter."""
+    return int(convention.shift and convention.seed_attention == "causal"
+               and not convention.seed_adapter)
+
+
+def position_labels(n_drafted, block, width: int | Sequence[int], skip: int = 0) -> list[np.ndarray]:
     """Per round: 1 accepted, 0 first rejection, -1 not counted, for each of the row's positions."""
     acc, blk = _np(n_drafted, np.int64).reshape(-1), _np(block, np.int64).reshape(-1)
     widths = [width] * len(acc) if isinstance(width, int) else list(width)
@@ -46,8 +72,15 @@ def position_labels(n_drafted, block, width: int | Sequence[int]) -> list[np.nda
         lab = np.full(n, -1, dtype=np.int64)
         lab[j < a] = 1
         lab[(j == a) & (j < b - 1)] = 0
+        lab[j < skip] = -1
         out.append(lab)
     return out
+
+
+def scaled(p, temperature) -> np.ndarray:
+    """sigmoid(logit(p) / T), elementwise (p clipped off 0 and 1)."""
+    p = np.clip(np.asarray(p, dtype=np.float64), 1e-6, 1 - 1e-6)
+    return 1 / (1 + np.exp(-np.log(p / (1 - p)) / np.asarray(temperature, dtype=np.float64)))
 
 
 def ece(conf: np.ndarray, label: np.ndarray, bins: int = 10) -> tuple[float, list[dict]]:
@@ -65,6 +98,26 @@ def ece(conf: np.ndarray, label: np.ndarray, bins: int = 10) -> tuple[float, lis
             err += n * abs(row["confidence"] - row["accept_rate"])
         table.append(row)
     return (err / len(conf) if len(conf) else float("nan")), table
+
+
+def ece_floor(conf: np.ndarray, bins: int = 10) -> float:
+    """The ECE a perfectly calibrated drafter would still show on these positions, from sampling
+    noise alone: labels drawn as Bernoulli(conf) leave each bin's accept rate off its mean
+    confidence by E|N(0, Σ p(1 − p)) / n_b| = sqrt(2/π) sqrt(Σ p(1 − p)) / n_b (normal
+    approximation), so the floor is sqrt(2/π) Σ_b sqrt(Σ_b p(1 − p)) / N. An ECE near it says
+    "calibrated, as far as this many positions can tell"."""
+    conf = np.asarray(conf, dtype=np.float64)
+    if not len(conf):
+        return float("nan")
+    idx = np.clip((conf * bins).astype(np.int64), 0, bins - 1)
+    var = np.bincount(idx, weights=conf * (1 - conf), minlength=bins)
+    return float(np.sqrt(2 / np.pi) * np.sqrt(var).sum() / len(conf))
+
+
+def log_loss(p, label) -> float:
+    p = np.clip(np.asarray(p, dtype=np.float64), 1e-6, 1 - 1e-6)
+    y = np.asarray(label, dtype=np.float64)
+    return float(-(y * np.log(p) + (1 - y) * np.log(1 - p)).mean()) if len(p) else float("nan")
 
 
 def auc(score: np.ndarray, positive: np.ndarray) -> float:
@@ -88,35 +141,276 @@ def auc(score: np.ndarray, positive: np.ndarray) -> float:
     return float(u / (n_pos * n_neg))
 
 
+def _judged(draft_prob, n_drafted, block, skip):
+    """Flattened judged positions: probability, label, aligned index, block, and the keep mask
+    over the concatenated rows."""
+    prob = _rows(draft_prob)
+    blocks = _np(block, np.int64).reshape(-1)
+    labels = position_labels(n_drafted, blocks, [len(r) for r in prob], skip)
+    if not (len(prob) == len(labels) == len(blocks)):
+        raise ValueError("draft_prob, n_drafted and block must have one entry per round")
+    if not prob:
+        z = np.zeros(0)
+        return z, z.astype(np.int64), z.astype(np.int64), z.astype(np.int64), z.astype(bool)
+    lab = np.concatenate(labels)
+    keep = lab >= 0
+    index = np.concatenate([np.arange(len(r)) for r in prob])
+    blk = np.concatenate([np.full(len(r), b) for r, b in zip(prob, blocks)])
+    return np.concatenate(prob)[keep], lab[keep], index[keep], blk[keep], keep
+
+
+def calibrated_probs(p: np.ndarray, index: np.ndarray, block: np.ndarray, calibration) -> np.ndarray:
+    """Judged probabilities under a DraftCalibration (its table for each row's block size)."""
+    temps = np.ones(len(p))
+    for b in np.unique(block):
+        table = np.asarray(calibration.table(int(b)), dtype=np.float64)
+        sel = block == b
+        temps[sel] = table[np.minimum(index[sel], len(table) - 1)]
+    return scaled(p, temps)
+
+
 def calibration_metrics(draft_prob, draft_confidence, draft_margin, n_drafted, block,
-                        bins: int = 10) -> dict:
+                        bins: int = 10, skip: int = 0, calibration=None) -> dict:
     """Metrics from per-round arrays: draft_prob / draft_confidence / draft_margin [R, n] (or
-    ragged rows), n_drafted [R] accepted drafts, block [R] block sizes. See the module doc."""
-    prob, top1, margin = _rows(draft_prob), _rows(draft_confidence), _rows(draft_margin)
-    labels = position_labels(n_drafted, block, [len(r) for r in prob])
-    if not (len(prob) == len(top1) == len(margin) == len(labels)):
+    ragged rows), n_drafted [R] accepted drafts, block [R] block sizes; skip: leading exact
+    indices left out; calibration: a fastspec.draft.DraftCalibration whose calibrated ECE, Brier
+    and log loss are reported beside the raw ones. See the module doc."""
+    top1, margin = _rows(draft_confidence), _rows(draft_margin)
+    p, y, index, blk, keep = _judged(draft_prob, n_drafted, block, skip)
+    if not (len(top1) == len(margin) == len(_rows(draft_prob))):
         raise ValueError("draft_prob, draft_confidence, draft_margin, n_drafted and block "
                          "must have one entry per round")
-    lab = np.concatenate(labels) if labels else np.zeros(0, dtype=np.int64)
-    keep = lab >= 0
-    p = np.concatenate(prob)[keep] if prob else np.zeros(0)
     c = np.concatenate(top1)[keep] if top1 else np.zeros(0)
     risk = 1 - np.concatenate(margin)[keep] if margin else np.zeros(0)
-    y = lab[keep]
     e, table = ece(p, y, bins)
-    return {
-        "rounds": len(labels),
-        "positions": int(keep.sum()),
+    out = {
+        "rounds": len(top1),
+        "positions": int(len(y)),
+        "exact_positions": skip,
         "accepted": int(y.sum()),
         "first_rejections": int((y == 0).sum()),
         "accept_rate": float(y.mean()) if len(y) else float("nan"),
         "mean_draft_prob": float(p.mean()) if len(p) else float("nan"),
         "ece": e,
+        "ece_floor": ece_floor(p, bins),
         "ece_confidence": ece(c, y, bins)[0],
         "brier": float(((p - y) ** 2).mean()) if len(p) else float("nan"),
+        "log_loss": log_loss(p, y),
         "auc_first_rejection": auc(risk, y == 0),
         "reliability": table,
+        "by_index": [{"index": int(i), "count": int((index == i).sum()),
+                      "accept_rate": float(y[index == i].mean()),
+                      "mean_draft_prob": float(p[index == i].mean())} for i in np.unique(index)],
     }
+    if calibration is not None:
+        q = calibrated_probs(p, index, blk, calibration)
+        e_cal, table_cal = ece(q, y, bins)
+        out.update(ece_calibrated=e_cal, brier_calibrated=float(((q - y) ** 2).mean()) if len(q) else float("nan"),
+                   log_loss_calibrated=log_loss(q, y),
+                   mean_calibrated_prob=float(q.mean()) if len(q) else float("nan"),
+                   reliability_calibrated=table_cal)
+    return out
+
+
+# --- fitting a temperature per position -----------------------------------------------------------
+def fit_temperature(p, label) -> float:
+    """The T minimising the log loss of `label` under sigmoid(logit(p) / T): logistic regression
+    of the label on z = logit(p) without intercept, slope β = 1/T, which is convex in β (Newton
+    steps, halved while the loss does not fall). Clamped to T_RANGE; 1.0 without data."""
+    p = np.clip(np.asarray(p, dtype=np.float64), 1e-6, 1 - 1e-6)
+    y = np.asarray(label, dtype=np.float64)
+    z = np.log(p / (1 - p))
+    if not len(z) or not np.any(z):
+        return 1.0
+    lo, hi = 1 / T_RANGE[1], 1 / T_RANGE[0]
+
+    def loss(beta):
+        return float(np.sum(np.logaddexp(0, beta * z) - y * beta * z))
+
+    beta, cur = 1.0, loss(1.0)
+    for _ in range(100):
+        s = 1 / (1 + np.exp(-beta * z))
+        g, h = float(np.sum((s - y) * z)), float(np.sum(s * (1 - s) * z * z))
+        step = g / max(h, 1e-12)
+        t = 1.0
+        while True:
+            new = min(max(beta - t * step, lo), hi)
+            new_loss = loss(new)
+            if new_loss <= cur or t < 1e-6:
+                break
+            t /= 2
+        done = abs(new - beta) < 1e-9 * max(1.0, beta)
+        beta, cur = new, min(cur, new_loss)
+        if done:
+            break
+    return float(1 / beta)
+
+
+def fit_temperatures(draft_prob, n_drafted, block, skip: int = 0, min_count: int = MIN_COUNT,
+                     width: int = 32):
+    """A DraftCalibration from per-round stats: a temperature per aligned index 0..width-1.
+
+    An index with at least `min_count` judged positions gets its own fit; a thinner one, the
+    fit over every judged position (pooled); exact indices (< skip) keep T = 1. With more than one
+    block size in the data, each block size with data gets its own table the same way, its thin
+    indices falling back to the pooled table's. Counts and log losses are in `meta`."""
+    from fastspec.draft import DraftCalibration
+    p, y, index, blk, _ = _judged(draft_prob, n_drafted, block, skip)
+    pooled = fit_temperature(p, y)
+
+    def table(sel, fallback):
+        out = []
+        for i in range(width):
+            mine = sel & (index == i)
+            out.append(1.0 if i < skip else
+                       fit_temperature(p[mine], y[mine]) if mine.sum() >= min_count else fallback[i])
+        return out
+
+    every = np.ones(len(p), dtype=bool)
+    temps = table(every, [pooled] * width)
+    by_block = {}
+    if len(np.unique(blk)) > 1:
+        by_block = {int(b): table(blk == b, temps) for b in np.unique(blk)}
+    cal = DraftCalibration(temps, by_block)
+    q = calibrated_probs(p, index, blk, cal)
+    cal.meta = {
+        "fit": "T per aligned draft index minimising the log loss of 'accepted' under "
+               "sigmoid(logit(draft_prob) / T)",
+        "exact_positions": skip, "min_count": min_count, "pooled_temperature": pooled,
+        "counts": {"rounds": int(_np(n_drafted, np.int64).size),
+                   "positions": int(len(y)), "accepted": int(y.sum()),
+                   "by_index": [int((index == i).sum()) for i in range(width)],
+                   "by_block": {str(int(b)): int((blk == b).sum()) for b in np.unique(blk)}},
+        "fitted_indices": [i for i in range(width) if i >= skip and (index == i).sum() >= min_count],
+        "log_loss_before": log_loss(p, y), "log_loss_after": log_loss(q, y),
+    }
+    return cal
+
+
+# --- gathering the per-round numbers during a run -------------------------------------------------
+class DraftStats:
+    """Per-round draft statistics of Engine.generate runs, gathered as rounds commit.
+
+        stats = DraftStats(engine)
+        engine.generate(prompts, params, method="linear", on_commit=stats.on_commit)
+        arrays = stats.arrays()          # None when no round drafted (AR)
+
+    The first commit of a round finds the round's outputs in `engine.last_rounds`; their
+    draft_prob / draft_confidence / draft_margin / n_drafted rows are copied on the device (one
+    cat per step group: no host read, and a copy, since a captured graph reuses its output
+    buffers) and read once in `arrays()` after the run. Block sizes and request indices are host
+    values the engine already has. `seconds` is the host time spent collecting (its whole cost)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._seen = engine.last_rounds          # rounds before this run are not ours
+        self._parts: list[tuple[int, torch.Tensor]] = []
+        self.requests: list[int] = []
+        self.blocks: list[int] = []
+        self.seconds = 0.0
+
+    def on_commit(self, index: int, ids: list[int], n_drafted: int) -> None:
+        rounds = self.engine.last_rounds
+        if rounds is self._seen:                 # a later commit of the same round, or a prefill
+            return
+        t0 = time.perf_counter()
+        self._seen = rounds
+        for _plan, members, out in rounds:
+            stats = (out.draft_prob, out.draft_confidence, out.draft_margin)
+            if any(t is None for t in stats):
+                continue
+            self._parts.append((stats[0].shape[1],
+                                torch.cat([*(t.float() for t in stats), out.n_drafted[:, None].float()], 1)))
+            self.requests += [q.index for q in members]
+            self.blocks += [q.block for q in members]
+        self.seconds += time.perf_counter() - t0
+
+    def chain(self, on_commit=None):
+        """An on_commit for generate that collects, then calls `on_commit` (if any)."""
+        def both(index, ids, n_drafted):
+            self.on_commit(index, ids, n_drafted)
+            if on_commit is not None:
+                on_commit(index, ids, n_drafted)
+        return both
+
+    def arrays(self) -> dict | None:
+        """Rows in round order: draft_prob / draft_confidence / draft_margin (ragged float rows),
+        n_drafted, block, request (the generate index); None when nothing drafted."""
+        if not self._parts:
+            return None
+        t0 = time.perf_counter()
+        by_width: dict[int, list[torch.Tensor]] = {}
+        for w, t in self._parts:
+            by_width.setdefault(w, []).append(t)
+        host = {w: torch.cat(ts).cpu().numpy().astype(np.float64) for w, ts in by_width.items()}
+        at = dict.fromkeys(host, 0)
+        prob, conf, margin, nd = [], [], [], []
+        for w, t in self._parts:
+            x = host[w][at[w]: at[w] + t.shape[0]]
+            at[w] += t.shape[0]
+            prob += list(x[:, :w])
+            conf += list(x[:, w: 2 * w])
+            margin += list(x[:, 2 * w: 3 * w])
+            nd += x[:, 3 * w].astype(np.int64).tolist()
+        self.seconds += time.perf_counter() - t0
+        return {"draft_prob": prob, "draft_confidence": conf, "draft_margin": margin,
+                "n_drafted": nd, "block": list(self.blocks), "request": list(self.requests)}
+
+
+def _clean(x):
+    """NaN -> None, recursively (the results file stays standard JSON)."""
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_clean(v) for v in x]
+    return x
+
+
+def bench_calibration(arrays: dict, bench_of: Sequence[str], skip: int = 0, calibration=None,
+                      bins: int = 10, collect_s: float | None = None) -> dict:
+    """The `calibration` block of a bench run: metrics over all rounds and per benchmark.
+    arrays: DraftStats.arrays(); bench_of[i]: the benchmark of generate request i."""
+    def metrics(sel):
+        return calibration_metrics(*([arrays[k][i] for i in sel] for k in
+                                     ("draft_prob", "draft_confidence", "draft_margin")),
+                                   [arrays["n_drafted"][i] for i in sel], [arrays["block"][i] for i in sel],
+                                   bins=bins, skip=skip, calibration=calibration)
+    benches = [bench_of[r] for r in arrays["request"]]
+    everything = range(len(benches))
+    out = {"exact_positions": skip, "calibrated": calibration is not None, "all": metrics(everything),
+           "by_bench": {b: metrics([i for i in everything if benches[i] == b])
+                        for b in dict.fromkeys(benches)}}
+    if calibration is not None:
+        out["temperature"] = calibration.temperature
+        if calibration.by_block:
+            out["temperature_by_block"] = {str(b): t for b, t in calibration.by_block.items()}
+    if collect_s is not None:
+        out["collect_s"] = round(collect_s, 4)
+    return _clean(out)
+
+
+# --- drawing --------------------------------------------------------------------------------------
+def draw_reliability(ax, metrics: dict, label: str = "", color=None, calibrated: bool = True) -> None:
+    """Accept rate against mean draft probability per bin on `ax` (marker area ~ count); the
+    calibrated table dashed beside it when `metrics` has one."""
+    tables = [("reliability", "-", "")]
+    if calibrated and metrics.get("reliability_calibrated"):
+        tables.append(("reliability_calibrated", "--", " (calibrated)"))
+    total = max(sum(r["count"] for r in metrics["reliability"]), 1)
+    for key, style, suffix in tables:
+        full = [r for r in metrics[key] if r["count"]]
+        e = metrics["ece" if key == "reliability" else "ece_calibrated"]
+        floor = metrics.get("ece_floor") if key == "reliability" else None
+        noise = f" (noise {floor:.3f})" if floor is not None else ""
+        line, = ax.plot([r["confidence"] for r in full], [r["accept_rate"] for r in full], style,
+                        c=color, lw=1.2, label=f"{label}{suffix} ECE {e:.3f}{noise}".strip())
+        ax.scatter([r["confidence"] for r in full], [r["accept_rate"] for r in full],
+                   s=[8 + 200 * r["count"] / total for r in full], c=line.get_color(), alpha=0.6)
+    ax.plot([0, 1], [0, 1], ls=":", c="grey", lw=1)
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="drafter's probability of its draft",
+           ylabel="accepted fraction")
 
 
 def reliability_diagram(metrics: dict, path: str | Path, title: str | None = None) -> Path | None:
@@ -129,21 +423,13 @@ def reliability_diagram(metrics: dict, path: str | Path, title: str | None = Non
         print("no reliability diagram: matplotlib is not installed (pip install matplotlib)",
               file=sys.stderr)
         return None
-    table = metrics["reliability"]
     fig = Figure(figsize=(4.5, 4.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    ax.plot([0, 1], [0, 1], ls="--", c="grey", lw=1, label="perfectly calibrated")
-    full = [r for r in table if r["count"]]
-    width = table[0]["hi"] - table[0]["lo"] if table else 0.1
-    ax.bar([r["lo"] for r in full], [r["accept_rate"] for r in full], width=width, align="edge",
-           edgecolor="black", alpha=0.7, label="accept rate")
-    ax.plot([r["confidence"] for r in full], [r["accept_rate"] for r in full], "o-", c="C3", ms=3,
-            label="mean draft prob")
-    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="drafter's probability of its draft",
-           ylabel="accepted fraction",
-           title=title or f"ECE {metrics['ece']:.3f}, AUC(first rejection) "
-                          f"{metrics['auc_first_rejection']:.3f}")
+    draw_reliability(ax, metrics, "draft prob", color="C3")
+    a = metrics.get("auc_first_rejection")
+    ax.set_title(title or f"ECE {metrics['ece']:.3f}, AUC(first rejection) "
+                          f"{'—' if a is None else format(a, '.3f')}", fontsize=9)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     path = Path(path)

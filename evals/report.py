@@ -21,6 +21,9 @@ Definitions (AR, method "ar", is the reference at the same concurrency C):
                     per-benchmark aggregate: per-request tok/s ÷ AR per-request tok/s instead.
   accuracy          mean of non-None `correct`; identical: share of records equal to AR.
   macro average     mean over benchmarks of the per-benchmark values (the tables' "avg").
+  draft calibration a drafting run's `calibration` block (evals.calibration): ECE, Brier, AUC of
+                    the risk for the first rejection, per benchmark; `calibration_tables` prints
+                    them, `--plot` draws reliability.png (a panel per benchmark).
 """
 from __future__ import annotations
 
@@ -219,6 +222,46 @@ def figure5_table(m: dict) -> Table:
     return t
 
 
+def calibration_tables(runs: list[dict]) -> list[Table]:
+    """Draft calibration per concurrency, benchmark × method (runs with a `calibration` block):
+    judged positions, accept rate, mean draft probability, ECE of the draft probability (and under
+    the adapter's fitted calibration), ECE of the top-1 confidence, Brier, and the AUC of the risk
+    1 − (p1 − p2) for the first rejection. Definitions: fastspec.evals.calibration."""
+    runs = [r for r in runs if r.get("calibration")]
+    tables = []
+    for c in sorted({r["concurrency"] for r in runs}):
+        mine = [r for r in runs if r["concurrency"] == c]
+        calibrated = any(r["calibration"].get("calibrated") for r in mine)
+        skip = max(r["calibration"].get("exact_positions", 0) for r in mine)
+        t = Table(title=f"Draft calibration — C={c}",
+                  caption="positions: judged drafts (the accepted run and the first rejection"
+                          + (f"; d1{f'..d{skip}' if skip > 1 else ''} exact, left out" if skip else "")
+                          + "); ECE noise: the ECE of a perfectly calibrated drafter on as many "
+                          "positions; AUC: risk 1 − (p1 − p2) ranks first rejections above accepted "
+                          "drafts")
+        cols = ["benchmark", "method", "positions", "accept rate", "mean p", "ECE", "ECE noise"]
+        cols += ["ECE cal."] if calibrated else []
+        cols += ["ECE top-1", "Brier", "AUC risk"]
+        for col in cols:
+            t.add_column(col, justify="left" if col in ("benchmark", "method") else "right")
+        benches = _ordered(b for r in mine for b in r["calibration"]["by_bench"])
+        for b in benches + ["all"]:
+            for r in mine:
+                cal = r["calibration"]
+                m = cal["all"] if b == "all" else cal["by_bench"].get(b)
+                if m is None or (b == "all" and len(cal["by_bench"]) < 2):
+                    continue
+                cells = [display_name(b), r["method"], str(m["positions"]), _fmt(m["accept_rate"], ".3f"),
+                         _fmt(m["mean_draft_prob"], ".3f"), _fmt(m["ece"], ".3f"),
+                         _fmt(m.get("ece_floor"), ".3f")]
+                cells += [_fmt(m.get("ece_calibrated"), ".3f")] if calibrated else []
+                cells += [_fmt(m["ece_confidence"], ".3f"), _fmt(m["brier"], ".3f"),
+                          _fmt(m["auc_first_rejection"], ".3f")]
+                t.add_row(*cells)
+        tables.append(t)
+    return tables
+
+
 def print_report(console: Console, m: dict) -> None:
     for c in m["concurrency"]:
         console.print(table2(m, c))
@@ -254,6 +297,11 @@ def write_plots(results_json_path: str, out_dir: str) -> list[str]:
             path = os.path.join(out_dir, name)
             fig.savefig(path, dpi=120, bbox_inches="tight")
             paths.append(path)
+    fig = _figure()
+    if _plot_reliability(fig, res["runs"]):
+        path = os.path.join(out_dir, "reliability.png")
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+        paths.append(path)
     return paths
 
 
@@ -334,4 +382,29 @@ def _plot_accept(fig, m) -> bool:
     ax.set(title="Acceptance length per round", xlabel="tokens committed per round",
            ylabel="share of rounds (%)")
     ax.legend()
+    return True
+
+
+def _plot_reliability(fig, runs: list[dict]) -> bool:
+    """Reliability diagram, one panel per benchmark: accept rate against the drafter's probability
+    of its draft, one curve per drafting method at the lowest concurrency (dashed: under the
+    adapter's fitted calibration)."""
+    from fastspec.evals.calibration import draw_reliability
+    runs = [r for r in runs if r.get("calibration")]
+    if not runs:
+        return False
+    c = min(r["concurrency"] for r in runs)
+    runs = [r for r in runs if r["concurrency"] == c]
+    benches = _ordered(b for r in runs for b in r["calibration"]["by_bench"])
+    fig.set_size_inches(4 * len(benches), 4.3)
+    for k, b in enumerate(benches):
+        ax = fig.add_subplot(1, len(benches), k + 1)
+        for j, r in enumerate(runs):
+            m = r["calibration"]["by_bench"].get(b)
+            if m and m["positions"]:
+                draw_reliability(ax, m, r["method"], color=f"C{j}")
+        ax.set_title(f"{display_name(b)} (C={c})")
+        ax.legend(loc="upper left", fontsize=7)
+        if k:
+            ax.set_ylabel("")
     return True

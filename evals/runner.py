@@ -227,7 +227,8 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", max_new_t
             write_json(json_out, {"environment": env, "runs": runs, "metrics": metrics(records, runs),
                                   "records": [asdict(r) for r in records]})
 
-    def add(label, c, completions, stats, warm, bucket, which, errors, method_report=None):
+    def add(label, c, completions, stats, warm, bucket, which, errors, method_report=None,
+            calibration=None):
         """Records of one run: completions[j] answers items[which[j]]; errors: {item: message}."""
         for comp in completions:
             i, it = which[comp.index], items[which[comp.index]]
@@ -249,7 +250,8 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", max_new_t
             runs.append({"method": label, "concurrency": c, "batch_bucket": bucket, "warmup_s": warm,
                          **asdict(stats), "tokens_per_s": stats.tokens_per_s,
                          "tokens_per_forward": stats.tokens_per_forward, "errors": len(errors),
-                         **({"method_report": method_report} if method_report else {})})
+                         **({"method_report": method_report} if method_report else {}),
+                         **({"calibration": calibration} if calibration else {})})
         save()
 
     for c in levels:
@@ -259,19 +261,20 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", max_new_t
                 errors = {i: why for i, ids in enumerate(prompt_ids)
                           if (why := _too_long(eng, method, block, ids, params[i])) is not None}
                 which = [i for i in range(len(items)) if i not in errors]
-                out, stats, warm, bucket = [], None, 0.0, None
+                out, stats, warm, bucket, calib = [], None, 0.0, None, None
                 if which:
                     try:
-                        out, stats, warm = _run_one(eng, [prompt_ids[i] for i in which],
-                                                    [params[i] for i in which], label + tag, method,
-                                                    block, c, console)
+                        out, stats, warm, draft_stats = _run_one(
+                            eng, [prompt_ids[i] for i in which], [params[i] for i in which],
+                            label + tag, method, block, c, console)
                         # The GraphKey batch of a full round: C in flight, padded to a bucket.
                         bucket = batch_bucket(min(c, len(which)))
+                        calib = _calibration(eng, draft_stats, [items[i].bench for i in which])
                     except FastspecError as e:       # the run as a whole failed: it is reported
                         errors.update({i: str(e) for i in which})
                 meth = eng.method(method, block) if method != "ar" else None
                 report = meth.report() if out and hasattr(meth, "report") else None
-                add(label + tag, c, out, stats, warm, bucket, which, errors, report)
+                add(label + tag, c, out, stats, warm, bucket, which, errors, report, calib)
     if peer_names:
         from fastspec.evals.peers import run_hf_peers
         which = [i for i, ids in enumerate(prompt_ids) if _too_long(engine, "ar", None, ids, base) is None]
@@ -289,6 +292,9 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", max_new_t
     from fastspec.evals.recguide_report import print_tables
     block_list = parse_int_list(blocks, "--block")
     print_tables(console, runs, records, block_list[0] if len(block_list) == 1 else None)
+    from fastspec.evals.report import calibration_tables
+    for table in calibration_tables(runs):
+        console.print(table)
     by_error: dict[str, list[str]] = {}
     for r in failed:
         by_error.setdefault(r.error, []).append(f"{r.bench}/{r.problem_id} {r.method} C={r.concurrency}")
@@ -305,7 +311,23 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", max_new_t
     return m
 
 
+def _calibration(engine, draft_stats, bench_of: list[str]) -> dict | None:
+    """The run's draft-calibration block (None for a method that does not draft): metrics over
+    all rounds and per benchmark, raw and under the adapter's fitted calibration when it has one."""
+    from fastspec.convention import model_convention
+    from fastspec.evals.calibration import bench_calibration, exact_positions
+    arrays = draft_stats.arrays()
+    if arrays is None:
+        return None
+    return bench_calibration(arrays, bench_of, exact_positions(model_convention(engine.model)),
+                             getattr(engine.model, "draft_calibration", None),
+                             collect_s=draft_stats.seconds)
+
+
 def _run_one(engine, prompt_ids, params, label, method, block, concurrency, console):
+    """One (method, C) run: completions, the engine's stats, its warm-up seconds and the rounds'
+    draft statistics (evals.calibration.DraftStats, gathered as rounds commit)."""
+    from fastspec.evals.calibration import DraftStats
     total = sum(p.max_new_tokens for p in params)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
                   TimeElapsedColumn(), console=console, transient=True) as progress:
@@ -325,8 +347,9 @@ def _run_one(engine, prompt_ids, params, label, method, block, concurrency, cons
                 progress.update(task, completed=count,
                                 info=f"{count / max(el, 1e-9):.1f} tok/s  τ {count / rounds:.2f}")
 
+        draft_stats = DraftStats(engine)
         out = engine.generate(prompt_ids, params, method=method, block=block,
-                              concurrency=concurrency, on_commit=on_commit)
+                              concurrency=concurrency, on_commit=draft_stats.chain(on_commit))
         progress.update(task, completed=total)
     # Compilation for new shapes happens before the timed loop; it is reported, not counted.
-    return out, engine.last_stats, engine.warmup_s
+    return out, engine.last_stats, engine.warmup_s, draft_stats

@@ -8,11 +8,18 @@ folder beside (or inside) the checkpoint.
 The config records the adapter's drafting convention (`fastspec.convention`: token shift, seed
 attention, adapter at the seed, LoRA compute dtype); attaching an adapter sets
 `model.draft_convention`, which every method reads. A config without the field is fastspec's.
+
+A fitted calibration of the drafter's confidences (`calibration.json`, written by `fastspec
+calibrate --drafter`) may sit beside the adapter; loading the adapter sets
+`model.draft_calibration` (None without one, or when the file was fitted for other weights).
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
+import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -25,6 +32,7 @@ from fastspec.model.llama import LlamaModel, LoRA
 
 ADAPTER_FILE = "adapter.safetensors"
 CONFIG_FILE = "adapter_config.json"
+CALIBRATION_FILE = "calibration.json"
 
 
 @dataclass
@@ -70,6 +78,7 @@ def attach_adapter(model: LlamaModel, cfg: AdapterConfig, seed: int = 0) -> Llam
     model.mask_token_id = cfg.mask_token_id
     model.adapter_config = cfg
     model.draft_convention = conv
+    model.draft_calibration = None          # fresh weights: nothing fitted for them yet
     return model
 
 
@@ -133,8 +142,103 @@ def load_adapter(model: LlamaModel, directory: str) -> AdapterConfig:
     attach_adapter(model, cfg)
     set_adapter_state(model, sd, directory)
     model.requires_grad_(False)
+    model.draft_calibration = load_calibration(directory)
     return cfg
 
 
 def has_adapter(model: LlamaModel) -> bool:
     return model.mask_embed is not None
+
+
+# --- a fitted calibration of the drafter's confidences, shipped beside the adapter ------------
+@dataclass
+class DraftCalibration:
+    """Temperatures on the log-odds of the drafter's probability of its own draft, one per aligned
+    draft index i (the draft of d(i+1), as RoundOutput.draft_prob indexes it), fitted on training
+    prompts so that the scaled probability predicts acceptance:
+
+        p_cal = sigmoid(logit(p) / T[i])        T > 1 pulls an overconfident p toward 1/2
+
+    `temperature` pools every block size; `by_block` holds a table per block size where the data
+    allowed one (else the pooled table serves that block). Indices past a table's end use its
+    last entry."""
+    temperature: list[float]
+    by_block: dict[int, list[float]] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+    def table(self, block: int | None = None) -> list[float]:
+        """Per-index temperatures for rows of this block size."""
+        return list(self.by_block.get(int(block), self.temperature) if block is not None
+                    else self.temperature)
+
+    def temperatures(self, n: int, block: int | None = None, device=None) -> torch.Tensor:
+        """[n] float32 temperatures of aligned indices 0..n-1 (the last entry repeats past the end)."""
+        t = self.table(block)
+        return torch.tensor([t[min(i, len(t) - 1)] for i in range(n)], dtype=torch.float32,
+                            device=device)
+
+    def apply(self, prob: torch.Tensor, block: int | None = None) -> torch.Tensor:
+        """Calibrated probabilities of [..., n] draft probabilities (index i along the last dim).
+        Host side (it builds the temperature tensor each call): a traced round should close over
+        `temperatures(n, device=...)` made once outside it."""
+        temps = self.temperatures(prob.shape[-1], block, prob.device)
+        eps = 1e-6
+        return torch.sigmoid(torch.logit(prob.float().clamp(eps, 1 - eps)) / temps)
+
+    def to_dict(self) -> dict:
+        return {"temperature": [float(t) for t in self.temperature],
+                "by_block": {str(b): [float(t) for t in ts] for b, ts in sorted(self.by_block.items())},
+                **self.meta}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "DraftCalibration":
+        temps = raw.get("temperature")
+        by_block = raw.get("by_block") or {}
+        tables = [temps, *by_block.values()]
+        if not isinstance(temps, list) or not temps or not all(
+                isinstance(t, list) and t and all(isinstance(x, (int, float)) and math.isfinite(x)
+                                                  and x > 0 for x in t) for t in tables):
+            raise FastspecError("a draft calibration needs 'temperature': a list of positive numbers")
+        meta = {k: v for k, v in raw.items() if k not in ("temperature", "by_block")}
+        return cls([float(t) for t in temps], {int(b): [float(t) for t in ts] for b, ts in by_block.items()},
+                   meta)
+
+
+def adapter_digest(directory: str) -> str:
+    """Short sha256 of the adapter's weights file: a calibration is valid for these weights only."""
+    h = hashlib.sha256()
+    with open(os.path.join(directory, ADAPTER_FILE), "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def save_calibration(cal: DraftCalibration, directory: str, path: str | None = None) -> str:
+    """Write the calibration of the adapter in `directory`, stamped with the adapter's digest, as
+    calibration.json beside it (or to `path`); returns where."""
+    from fastspec.files import write_json
+    stamped = DraftCalibration(cal.temperature, cal.by_block,
+                               {**cal.meta, "adapter_sha256": adapter_digest(directory)})
+    return write_json(path or os.path.join(directory, CALIBRATION_FILE), stamped.to_dict())
+
+
+def load_calibration(directory: str) -> DraftCalibration | None:
+    """The calibration beside the adapter in `directory`, or None when there is none. A file fitted
+    for other adapter weights (its digest differs: the adapter was retrained) is ignored with one
+    line on stderr; an unreadable one is a one-line FastspecError."""
+    path = os.path.join(directory, CALIBRATION_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            cal = DraftCalibration.from_dict(json.load(f))
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError, ValueError) as e:
+        raise FastspecError(f"cannot read the draft calibration {path}: {e}") from None
+    except FastspecError as e:
+        raise FastspecError(f"{path}: {e}") from None
+    digest = cal.meta.get("adapter_sha256")
+    if digest != adapter_digest(directory):
+        print(f"ignoring {path}: fitted for other adapter weights (refit: fastspec calibrate --drafter)",
+              file=sys.stderr)
+        return None
+    return cal

@@ -49,6 +49,18 @@ def test_ece_of_a_calibrated_drafter_is_small_and_of_an_overconfident_one_large(
     assert ece(np.clip(p + 0.3, 0, 1), y)[0] > 0.2
 
 
+def test_ece_floor_is_the_ece_of_a_calibrated_drafter_on_as_many_positions():
+    from fastspec.evals.calibration import ece_floor
+    # One bin of 100 positions at p = 0.5: sqrt(2/pi) * sqrt(25) / 100.
+    assert ece_floor(np.full(100, 0.5)) == pytest.approx(math.sqrt(2 / math.pi) * 5 / 100)
+    assert ece_floor(np.ones(50)) == 0.0                 # certain drafts: no noise
+    rng = np.random.default_rng(3)
+    for n in (300, 3000):                                # shrinks as 1/sqrt(n)
+        p = rng.uniform(0.05, 0.95, size=n)
+        simulated = np.mean([ece(p, rng.uniform(size=n) < p)[0] for _ in range(300)])
+        assert ece_floor(p) == pytest.approx(simulated, rel=0.12)
+
+
 def test_auc_known_answers():
     assert auc([0.9, 0.8, 0.1, 0.2], [1, 1, 0, 0]) == 1.0
     assert auc([0.1, 0.2, 0.9, 0.8], [1, 1, 0, 0]) == 0.0
@@ -90,3 +102,224 @@ def test_reliability_diagram_png(tmp_path, monkeypatch, capsys):
     assert reliability_diagram(m, tmp_path / "none.png") is None
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "matplotlib is not installed" in err
+
+
+# --- exact drafts, calibrated metrics -------------------------------------------------------------
+def test_exact_leading_drafts_are_not_judged():
+    from fastspec.convention import FASTSPEC, NLD
+    from fastspec.evals.calibration import exact_positions
+    assert exact_positions(FASTSPEC) == 1 and exact_positions(NLD) == 0
+    labels = position_labels([2, 0, 3], [4, 4, 4], 4, skip=1)
+    assert [l.tolist() for l in labels] == [[-1, 1, 0, -1], [-1, -1, -1, -1], [-1, 1, 1, -1]]
+    # fastspec's d1 always accepted at p = 0.3: counted it would dominate the ECE.
+    kw = dict(draft_prob=[[0.3, 0.8]] * 10, draft_confidence=[[0.3, 0.8]] * 10,
+              draft_margin=[[0.1, 0.5]] * 10, n_drafted=[2] * 8 + [1] * 2, block=[3] * 10)
+    assert calibration_metrics(**kw)["ece"] == pytest.approx((10 * 0.7 + 10 * 0.0) / 20)
+    m = calibration_metrics(**kw, skip=1)
+    assert m["positions"] == 10 and m["exact_positions"] == 1 and m["ece"] == pytest.approx(0.0)
+    assert m["by_index"] == [{"index": 1, "count": 10, "accept_rate": 0.8, "mean_draft_prob": 0.8}]
+
+
+def test_calibrated_metrics_apply_the_temperature_of_each_index():
+    from fastspec.draft import DraftCalibration
+    # Index 0 at p = 0.8, index 1 at p = 0.5; rounds of block 3 (both judged when 0 is accepted).
+    kw = dict(draft_prob=[[0.8, 0.5]] * 4, draft_confidence=[[0.8, 0.5]] * 4,
+              draft_margin=[[0.6, 0.0]] * 4, n_drafted=[2, 1, 0, 0], block=[3] * 4)
+    m = calibration_metrics(**kw, calibration=DraftCalibration([2.0, 3.0]))
+    # sigmoid(logit(0.8) / 2) = 2 / 3; 0.5 stays 0.5 under any T.
+    assert m["mean_calibrated_prob"] == pytest.approx((4 * 2 / 3 + 2 * 0.5) / 6)
+    assert m["ece"] == pytest.approx((4 * abs(0.8 - 0.5) + 2 * abs(0.5 - 0.5)) / 6)
+    assert m["ece_calibrated"] == pytest.approx((4 * abs(2 / 3 - 0.5) + 0) / 6)
+    # A table for block 3 wins over the pooled one.
+    m = calibration_metrics(**kw, calibration=DraftCalibration([2.0, 3.0], {3: [1.0, 1.0]}))
+    assert m["ece_calibrated"] == pytest.approx(m["ece"])
+
+
+# --- fitting a temperature per position -----------------------------------------------------------
+def drafted_rounds(temps, rounds, seed=0, exact=1):
+    """Rounds of block len(temps) + 1 whose draft at index i is accepted with probability
+    sigmoid(logit(p) / temps[i]) until the first rejection (index < exact: always accepted)."""
+    rng = np.random.default_rng(seed)
+    n = len(temps)
+    p = rng.uniform(0.05, 0.97, size=(rounds, n))
+    accept_p = 1 / (1 + np.exp(-np.log(p / (1 - p)) / np.asarray(temps)))
+    ok = rng.uniform(size=(rounds, n)) < accept_p
+    ok[:, :exact] = True
+    n_drafted = np.cumprod(ok, axis=1).sum(1)
+    return dict(draft_prob=p, n_drafted=n_drafted, block=np.full(rounds, n + 1))
+
+
+def test_temperature_fit_recovers_a_known_temperature():
+    from fastspec.evals.calibration import fit_temperature, scaled
+    rng = np.random.default_rng(1)
+    p = rng.uniform(0.02, 0.98, size=40_000)
+    for t in (0.5, 1.0, 2.5):
+        y = rng.uniform(size=p.size) < scaled(p, t)
+        assert fit_temperature(p, y) == pytest.approx(t, rel=0.06)
+
+
+def test_temperature_per_position_recovers_each_index_and_pools_thin_ones():
+    from fastspec.evals.calibration import fit_temperatures
+    data = drafted_rounds([1.0, 2.0, 0.6, 1.5], 30_000)
+    cal = fit_temperatures(**data, skip=1, min_count=500, width=6)
+    assert cal.temperature[0] == 1.0                     # exact: never fitted
+    assert cal.temperature[1:4] == pytest.approx([2.0, 0.6, 1.5], rel=0.1)
+    assert cal.meta["fitted_indices"] == [1, 2, 3]
+    # Indices without data take the temperature fitted over every judged position.
+    assert cal.temperature[4] == cal.temperature[5] == cal.meta["pooled_temperature"]
+    assert cal.meta["counts"]["by_index"][0] == 0 and cal.meta["counts"]["by_index"][1] == 30_000
+    assert cal.meta["log_loss_after"] < cal.meta["log_loss_before"]
+    m_kw = dict(draft_confidence=data["draft_prob"], draft_margin=data["draft_prob"], skip=1)
+    m = calibration_metrics(data["draft_prob"], n_drafted=data["n_drafted"], block=data["block"],
+                            calibration=cal, **m_kw)
+    assert m["ece"] > 0.04 and m["ece_calibrated"] < m["ece"] / 3
+    # With too few positions anywhere, every judged index gets the pooled temperature.
+    thin = fit_temperatures(**drafted_rounds([1.0, 2.0, 2.0], 300), skip=1, min_count=1000, width=3)
+    assert thin.meta["fitted_indices"] == [] and thin.temperature[1] == thin.temperature[2] > 1.3
+
+
+def test_temperatures_per_block_size_when_the_data_has_several():
+    from fastspec.evals.calibration import fit_temperatures
+    a, b = drafted_rounds([1.0, 2.0, 2.0], 20_000, seed=1), drafted_rounds([1.0, 0.7, 0.7], 20_000, seed=2)
+    # Pad the second to width 3 with block 3: index 2 never judged there.
+    b["draft_prob"] = b["draft_prob"][:, :3]
+    b["block"] = np.full(20_000, 3)
+    b["n_drafted"] = np.minimum(b["n_drafted"], 2)
+    cal = fit_temperatures(draft_prob=list(a["draft_prob"]) + list(b["draft_prob"]),
+                           n_drafted=np.concatenate([a["n_drafted"], b["n_drafted"]]),
+                           block=np.concatenate([a["block"], b["block"]]), skip=1, width=4)
+    assert sorted(cal.by_block) == [3, 4]
+    assert cal.table(4)[1] == pytest.approx(2.0, rel=0.1) and cal.table(3)[1] == pytest.approx(0.7, rel=0.1)
+    assert cal.table(3)[2] == cal.temperature[2]        # not judged in block 3: the pooled table's
+    assert cal.table(16) == cal.temperature             # an unseen block: the pooled table
+
+
+# --- calibration.json beside the adapter ----------------------------------------------------------
+def test_calibration_json_round_trip_onto_a_model(tmp_path, capsys):
+    from conftest import tiny_drafter, tiny_loaded
+    from fastspec.draft import (CALIBRATION_FILE, DraftCalibration, load_adapter, save_adapter,
+                                save_calibration)
+    d = str(tmp_path / "draft")
+    save_adapter(tiny_drafter().model, d)
+    fresh = tiny_loaded().model
+    load_adapter(fresh, d)
+    assert fresh.draft_calibration is None               # no file: nothing fitted
+    cal = DraftCalibration([1.0, 1.7, 2.25, 0.8], {8: [1.0, 1.5, 2.0, 0.9]}, {"command": "fastspec x"})
+    save_calibration(cal, d)
+    load_adapter(fresh, d)
+    got = fresh.draft_calibration
+    assert got.temperature == cal.temperature and got.by_block == cal.by_block
+    assert got.meta["command"] == "fastspec x" and len(got.meta["adapter_sha256"]) == 16
+    assert got.temperatures(6, block=8).tolist() == pytest.approx([1.0, 1.5, 2.0, 0.9, 0.9, 0.9])
+    p = torch.tensor([[0.5, 0.8, 0.8, 0.8]])
+    assert got.apply(p).tolist()[0] == pytest.approx([0.5, 1 / (1 + 4 ** (-1 / 1.7)),
+                                                      1 / (1 + 4 ** (-1 / 2.25)), 1 / (1 + 4 ** (-1 / 0.8))])
+    # Retrained weights: the old calibration does not describe them and is ignored, in one line.
+    other = tiny_drafter(seed=9).model
+    save_adapter(other, d)
+    capsys.readouterr()
+    load_adapter(fresh, d)
+    assert fresh.draft_calibration is None
+    assert "fitted for other adapter weights" in capsys.readouterr().err
+    (tmp_path / "draft" / CALIBRATION_FILE).write_text('{"temperature": [1.0, -2]}')
+    from fastspec.config import FastspecError
+    with pytest.raises(FastspecError, match="positive"):
+        load_adapter(fresh, d)
+
+
+# --- in a bench run -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory):
+    """A tiny-random draft adapter whose drafts differ from AR (so some are rejected)."""
+    from fastspec.draft import AdapterConfig, attach_adapter, save_adapter
+    from fastspec.model.loader import load_model
+    model = load_model("tiny-random", adapter=None).model
+    attach_adapter(model, AdapterConfig(rank=4))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for blk in model.layers:
+            for lora in blk.attn.lora.values():
+                lora.B.copy_(0.1 * torch.randn(lora.B.shape, generator=g))
+    d = tmp_path_factory.mktemp("adapter")
+    save_adapter(model, str(d))
+    return str(d)
+
+
+def cli(*args):
+    from click.testing import CliRunner
+    from fastspec.cli.main import cli as fastspec
+    result = CliRunner().invoke(fastspec, list(args))
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    return result.output
+
+
+def test_bench_json_carries_calibration_for_a_drafting_method_and_not_for_ar(tmp_path, adapter_dir):
+    import json
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"question {i}"}) for i in range(3)))
+    out = tmp_path / "r.json"
+    text = cli("bench", "--model", "tiny-random", "--adapter", adapter_dir, "--backend", "eager",
+               "--max-new-tokens", "12", "--prompts", str(prompts), "--method", "ar,linear",
+               "--block", "4", "--concurrency", "1,2", "--json", str(out))
+    data = json.loads(out.read_text())
+    runs = {(r["method"], r["concurrency"]): r for r in data["runs"]}
+    assert "calibration" not in runs[("ar", 1)] and "calibration" not in runs[("ar", 2)]
+    for c in (1, 2):
+        cal = runs[("linear", c)]["calibration"]
+        recs = [r for r in data["records"] if r["method"] == "linear" and r["concurrency"] == c]
+        # One row per request per round; d1 is exact under fastspec's convention: not judged.
+        assert cal["all"]["rounds"] == sum(r["rounds"] for r in recs)
+        assert cal["exact_positions"] == 1 and cal["calibrated"] is False
+        assert set(cal["by_bench"]) == {"prompts"}
+        m = cal["all"]
+        assert 0 < m["positions"] <= 2 * m["rounds"] and 0 <= m["ece"] <= 1
+        assert m["first_rejections"] + m["accepted"] == m["positions"]
+        assert sum(r["count"] for r in m["reliability"]) == m["positions"]
+        assert m["by_index"][0]["index"] == 1 and {i["index"] for i in m["by_index"]} <= {1, 2}
+        assert cal["collect_s"] >= 0
+    # Greedy: the same drafts at every concurrency.
+    assert runs[("linear", 1)]["calibration"]["all"] == runs[("linear", 2)]["calibration"]["all"]
+    assert "Draft calibration — C=1" in text and "AUC risk" in text
+    # --plot draws the reliability diagram beside the other plots.
+    plotted = cli("bench", "--plot", str(out))
+    assert (tmp_path / "r_plots" / "reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "reliability.png" in plotted
+
+
+def test_calibrate_drafter_writes_calibration_json_beside_the_adapter(tmp_path, adapter_dir):
+    import json
+    import shutil
+    from fastspec.model.loader import load_model
+    d = tmp_path / "draft"
+    shutil.copytree(adapter_dir, d)
+    train = tmp_path / "train.jsonl"
+    train.write_text("\n".join(json.dumps({"prompt": f"request number {i}"}) for i in range(4)))
+    text = cli("calibrate", "--drafter", "--model", "tiny-random", "--adapter", str(d),
+               "--backend", "eager", "--train-data", str(train), "--prompts", "3",
+               "--max-new-tokens", "16", "--blocks", "4")
+    saved = json.loads((d / "calibration.json").read_text())
+    assert "-> " + str(d / "calibration.json") in text.replace("\n", "")
+    # The command spells out every setting, the resolved defaults included.
+    words = saved["command"].split()
+    assert words[:2] == ["fastspec", "calibrate"] and "--drafter" in words
+    for flag, value in (("--model", "tiny-random"), ("--adapter", str(d)), ("--backend", "eager"),
+                        ("--train-data", str(train)), ("--prompts", "3"), ("--blocks", "4"),
+                        ("--max-new-tokens", "16"), ("--concurrency", "1")):
+        assert words[words.index(flag) + 1] == value
+    assert saved["data"] == [{"path": str(train), "weight": 1.0, "prompts": 3, "rows": 4}]
+    assert saved["prompts"] == 3 and saved["blocks"] == [4] and saved["max_new_tokens"] == 16
+    assert len(saved["temperature"]) == 32 and saved["temperature"][0] == 1.0
+    assert saved["counts"]["positions"] > 0 and saved["counts"]["by_index"][0] == 0
+    assert 0 <= saved["ece_after"] <= 1 and 0 <= saved["ece_before"] <= 1
+    loaded = load_model("tiny-random", adapter=str(d))
+    assert loaded.model.draft_calibration.temperature == saved["temperature"]
+    # A bench on this adapter now reports the calibrated ECE beside the raw one.
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "question"}))
+    out = tmp_path / "r.json"
+    cli("bench", "--model", "tiny-random", "--adapter", str(d), "--backend", "eager", "--no-baseline",
+        "--max-new-tokens", "12", "--prompts", str(prompts), "--method", "linear", "--block", "4",
+        "--json", str(out))
+    cal = json.loads(out.read_text())["runs"][0]["calibration"]
+    assert cal["calibrated"] is True and cal["temperature"] == saved["temperature"]
+    assert cal["all"]["ece_calibrated"] is not None
