@@ -151,8 +151,9 @@ def cli():
 @model_options
 @sampling_options
 @click.option("--method", default="ar", show_default=True,
-              help="Decoding method: ar (plain autoregressive) or linear (self-speculative: draft a "
-                   "block, verify it; accepted draft tokens are shown in green).")
+              help="Decoding method: ar (plain autoregressive), linear (LinearSS: draft a block, "
+                   "verify it), recguide, libraspec, d2sd, bastion, tidar or dflash; options in "
+                   "brackets, e.g. 'bastion[budgets=8/16]'. Accepted draft tokens are shown in green.")
 @click.option("--block", type=int, default=8, show_default=True,
               help="Draft block size for speculative methods (4, 8, 16 or 32).")
 @click.option("--prompt", "-p", default=None, help="Answer this one prompt and exit.")
@@ -230,7 +231,8 @@ def chat(model, dtype, device, adapter, backend, max_new_tokens, temperature, to
               help="Your own prompts: a jsonl file with a 'prompt' (or 'question') field per line.")
 @click.option("--limit", type=int, default=5, show_default=True, help="Problems per benchmark.")
 @click.option("--method", "methods", default="ar", show_default=True,
-              help="Comma-separated methods to compare, e.g. ar,linear. AR always runs as the reference.")
+              help="Comma-separated methods to compare: ar, linear, recguide, libraspec, d2sd, bastion, "
+                   "tidar, dflash (options in brackets, e.g. 'tidar[block=4]'). AR always runs as the reference.")
 @click.option("--block", "blocks", default="8", show_default=True,
               help="Draft block size(s) for speculative methods; a list (8,16,32) sweeps them.")
 @click.option("--concurrency", default="1", show_default=True,
