@@ -1,32 +1,40 @@
 """fastspec's torch.compile backend for the CPU: inductor (static shapes) + a packed skinny GEMM.
 
 The StepRunner (graphs/runner.py) compiles every step with `_skinny_backend(_pack_model(model))`:
-  * a small FX pass swaps every F.linear whose weight is a base-model weight (wqkv, wo, w_gate_up,
-    w_down, the LM head) for `fastspec::skinny_linear` on a copy of that weight packed into
-    32-column panels (graphs/kernels.py); everything else (norms, RoPE, SDPA, LoRA linears,
-    embedding) is left to inductor, which fuses the pointwise work;
+  * a small FX pass swaps every F.linear whose weight is a big base-model weight (wqkv, wo,
+    w_gate_up, w_down, the LM head: fastspec/weights.py big_linear_weights) for the active kernel's
+    `skinny_linear` on a copy of that weight packed into column panels (graphs/kernels.py) at the
+    model's weight precision (fp32, bf16, or int8 + per-output scales); everything else (norms,
+    RoPE, SDPA, LoRA linears, embedding) is left to inductor, which fuses the pointwise work;
   * K/V-cache writes become an in-place op that touches only the new columns;
   * inductor compiles the result (its FX-graph cache lives under $FASTSPEC_CACHE/inductor).
 
-The packed copies are a snapshot (+~1x weight memory) taken when the runner first compiles: a
-runner must be rebuilt if base weights change. Draft-adapter weights (LoRA, MASK embedding) are
-not packed, so training them keeps the compiled step consistent. Without AVX-512 (or a C++
-compiler) the pass packs nothing and the step is plain inductor.
+The packed copies are a snapshot taken when the runner first compiles (+1x, 1/2x or 1/4x the
+fp32 weight memory): a runner must be rebuilt if base weights change. Draft-adapter weights
+(LoRA, MASK embedding) are not packed, so training them keeps the compiled step consistent.
+Without a kernel for this CPU (kernels.active() is None: one warning line) the pass packs nothing
+and the step is plain inductor.
 """
 from __future__ import annotations
 
 import operator
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fastspec.graphs import kernels
+from fastspec.weights import big_linear_weights, weight_precision
 
-# The weights that get packed (the big per-token streams): LlamaModel parameter names.
-PACKED_TOP = ("embed", "lm_head")                     # `embed` serves as the tied LM head
-PACKED_LAYER = ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down")
+
+@dataclass(frozen=True)
+class Packed:
+    """One packed weight: panels (fp32 / bf16 / int8), int8 scales (else None), out features."""
+    panels: torch.Tensor
+    scales: torch.Tensor | None
+    out_features: int
 
 
 def setup_inductor_cache() -> None:
@@ -38,14 +46,15 @@ def setup_inductor_cache() -> None:
     os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
 
 
-def _pack_model(model: nn.Module) -> dict[int, tuple[torch.Tensor, int]]:
-    """id(param) -> (packed panels, out_features) for the base weights."""
+def _pack_model(model: nn.Module, kernel: "kernels.Kernel") -> dict[int, Packed]:
+    """id(param) -> Packed for the big fp32 CPU weights, at the model's weight precision."""
+    precision = weight_precision(model)
+    scales = getattr(model, "weight_scales", {})
     packed = {}
-    for name, p in model.named_parameters():
-        base = name in PACKED_TOP or (name.startswith("layers.")
-                                      and name.split(".", 2)[-1] in PACKED_LAYER)
-        if base and p.dim() == 2 and p.dtype == torch.float32 and p.device.type == "cpu":
-            packed[id(p)] = (kernels.pack_weight(p), p.shape[0])
+    for name, p in big_linear_weights(model):
+        if p.dim() == 2 and p.dtype == torch.float32 and p.device.type == "cpu":
+            panels, s = kernel.pack(p, precision, scales.get(name) if precision == "int8" else None)
+            packed[id(p)] = Packed(panels, s, p.shape[0])
     return packed
 
 
@@ -76,7 +85,9 @@ def _rewrite_kv_writes(gm: torch.fx.GraphModule, inputs: set) -> int:
     return count
 
 
-def _skinny_backend(packed: dict[int, tuple[torch.Tensor, int]]):
+def _skinny_backend(packed: dict[int, Packed], kernel: "kernels.Kernel | None" = None):
+    """The compile backend: `packed` weights (from `_pack_model(model, kernel)`) go through
+    `kernel`'s skinny_linear; with no kernel (or nothing packed) only the K/V writes change."""
     from torch._inductor.compile_fx import compile_fx
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
@@ -103,11 +114,22 @@ def _skinny_backend(packed: dict[int, tuple[torch.Tensor, int]]):
                 return obj
             return None
 
-        # The packed panels enter as extra graph inputs appended after dynamo's own.
+        # The packed panels (and int8 scales) enter as extra graph inputs after dynamo's own.
         extra: list[torch.Tensor] = []
-        extra_nodes: dict[int, torch.fx.Node] = {}
+        extra_nodes: dict[int, tuple[torch.fx.Node, torch.fx.Node | None]] = {}
+        last = [placeholders[-1]]
+
+        def graph_input(value: torch.Tensor) -> torch.fx.Node:
+            with gm.graph.inserting_after(last[0]):
+                node = gm.graph.placeholder(f"fastspec_packed_{len(extra)}")
+            node.meta["example_value"] = value
+            node._dynamo_source = None      # not a user input: no guards needed
+            extra.append(value)
+            last[0] = node
+            return node
+
         for node in list(gm.graph.nodes):
-            if node.op != "call_function" or node.target not in (F.linear, torch._C._nn.linear):
+            if kernel is None or node.op != "call_function" or node.target not in (F.linear, torch._C._nn.linear):
                 continue
             args = list(node.args) + [None] * (3 - len(node.args))
             x, w = args[0], node.kwargs.get("weight", args[1])
@@ -115,17 +137,14 @@ def _skinny_backend(packed: dict[int, tuple[torch.Tensor, int]]):
             key = id(weight_of(w))
             if key not in packed:
                 continue
-            panels, out_features = packed[key]
+            pw = packed[key]
             if key not in extra_nodes:
-                with gm.graph.inserting_after(placeholders[-1] if not extra_nodes
-                                              else list(extra_nodes.values())[-1]):
-                    extra_nodes[key] = gm.graph.placeholder(f"fastspec_packed_{len(extra)}")
-                extra_nodes[key].meta["example_value"] = panels
-                extra_nodes[key]._dynamo_source = None  # not a user input: no guards needed
-                extra.append(panels)
+                extra_nodes[key] = (graph_input(pw.panels),
+                                    None if pw.scales is None else graph_input(pw.scales))
+            panels_node, scales_node = extra_nodes[key]
             with gm.graph.inserting_before(node):
-                y = gm.graph.call_function(torch.ops.fastspec.skinny_linear,
-                                           (x, extra_nodes[key], out_features))
+                y = gm.graph.call_function(kernel.ops.skinny_linear.default,
+                                           (x, panels_node, scales_node, pw.out_features))
                 if bias is not None:
                     y = gm.graph.call_function(torch.add, (y, bias))
             node.replace_all_uses_with(y)

@@ -1,99 +1,285 @@
-"""CPU skinny-GEMM kernel for decode-shaped linears (few tokens x big weight), fp32, AVX-512.
+"""CPU skinny-GEMM kernel for decode-shaped linears (few tokens x big weight): one source, every ISA.
 
-Why: on this class of CPU (2 cores, AVX-512) a decode step is bound by streaming the weights once.
-MKL's fp32 GEMM (what F.linear and inductor's freezing pick on x86) reaches ~15-30 GB/s on these
-shapes and oneDNN ~35-45 GB/s; this kernel streams a pre-packed weight at ~50-85 GB/s and stays
-near that up to ~8 tokens.
+Why: a decode step on a CPU is bound by streaming the weights once. MKL's fp32 GEMM (what F.linear
+and inductor pick on x86) reaches ~15-30 GB/s on these shapes; this kernel streams a pre-packed
+weight near the memory bandwidth and stays there up to ~8 tokens.
 
-Layout: the [out, in] weight is packed once into column panels `[ceil(out/32), in, 32]` (zero
-padded), so each 32-output panel is one contiguous stream. The micro-kernel keeps up to 12 token
-rows x 32 outputs in 24 zmm accumulators, broadcasting x[m, i] against two weight vectors; more
-tokens re-read the panel from L2. Threads: torch's own pool via at::parallel_for (so
-torch.set_num_threads applies and no second OpenMP runtime spins).
+One C++ source (`_CPP`) is compiled once per instruction set, with a small vector type per ISA
+behind one interface (`Vec`: L fp32 lanes; zero / set1 / load / fma / mul / add / store):
+    ISA      lanes  panel (outputs)  rows per micro-tile  accumulators        flags
+    avx512   16     32 (2 zmm)       12                   24 of 32 zmm        -mavx512f/bw/dq/vl -mfma
+    avx2      8     16 (2 ymm)        6                   12 of 16 ymm        -mavx2 -mfma
+    neon      4     16 (4 q)          6                   24 of 32 q          (none: aarch64 base ISA)
+The micro-kernel is one template over `Vec`: up to MR token rows x PANEL outputs stay in registers,
+x[m, i] is broadcast against the panel's NV = PANEL / L weight vectors. More rows than MR go in
+balanced tiles that take turns on each KC-input chunk of the panel while it sits in L1 (the panel
+streams from memory once, overlapped with every tile's FMAs); from 2 rows on, later weight rows
+are prefetched in software.
 
-Exposed as the torch op `fastspec::skinny_linear(x, packed, out_features)` with a fake impl, so
-torch.compile/inductor call it as an extern kernel. `available()` is False when the CPU lacks
-AVX-512 or the extension cannot be built; callers then fall back to F.linear.
+Weights (fastspec/weights.py decides the precision; activations, accumulation and outputs stay
+fp32): the [out, in] weight is packed once into column panels `[ceil(out/PANEL), in, PANEL]`
+(zero padded) so each panel is one contiguous stream, stored as
+    fp32   float
+    bf16   bfloat16 (uint16): widened in registers by a 16-bit shift (exact)
+    int8   int8 plus one fp32 scale per output (symmetric, per output channel): widened to fp32 in
+           registers, the scale applied once to each finished accumulator: y[o] = s[o] * sum q[o,i] x[i]
+Threads: torch's own pool via at::parallel_for over panels (torch.set_num_threads applies; the
+extension is built with -fopenmp, without which that header-inlined loop silently runs on one
+thread, and links the libgomp torch already loaded).
+
+Choice at run time: the widest ISA the CPU runs (torch.backends.cpu.get_cpu_capability() on x86,
+NEON on aarch64); `FASTSPEC_ISA=avx512|avx2|neon|none` forces a narrower one (a wider one than the
+CPU has is refused). Each ISA builds on first use into its own extension (cached on disk under
+cache_dir()/extensions) with its own op namespace (`torch.ops.fastspec_avx2.skinny_linear`, ...),
+so several can be loaded in one process (the tests compare them). When no kernel is used, one
+warning line says why and what it costs, once per process; `kernel_path()` names what runs.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import os
+import platform
+import sys
+from dataclasses import dataclass
 
 import torch
 
-PANEL = 32
+from fastspec.config import FastspecError
+from fastspec.weights import PRECISIONS
+
+_PANEL_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 
 _CPP = r"""
-#include <immintrin.h>
+#ifndef FASTSPEC_NO_TORCH          // (defined by a harness that runs the micro-kernel alone)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/TensorIndexing.h>
 #include <torch/library.h>
+#endif
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
 
+#define FS_INLINE inline __attribute__((always_inline))
+
+// Everything below has internal linkage: the per-ISA builds of this source live in one process
+// (the tests load several) and must not bind each other's template instances.
 namespace {
 
-template <int MR>
-void ukern(const float* __restrict p, const float* __restrict x, int64_t ldx,
-           float* __restrict y, int64_t ldy, int64_t I, int64_t ncols) {
-  __m512 a0[MR], a1[MR];
-#pragma GCC unroll 16
-  for (int m = 0; m < MR; m++) { a0[m] = _mm512_setzero_ps(); a1[m] = _mm512_setzero_ps(); }
-  for (int64_t i = 0; i < I; i++) {
-    __m512 w0 = _mm512_loadu_ps(p + i * 32);
-    __m512 w1 = _mm512_loadu_ps(p + i * 32 + 16);
-#pragma GCC unroll 16
-    for (int m = 0; m < MR; m++) {
-      __m512 xv = _mm512_set1_ps(x[m * ldx + i]);
-      a0[m] = _mm512_fmadd_ps(w0, xv, a0[m]);
-      a1[m] = _mm512_fmadd_ps(w1, xv, a1[m]);
-    }
+// --- one vector type per ISA, one interface -------------------------------------------------
+// L fp32 lanes; zero, set1, fma, mul, add, store. load(const float*), load(const uint16_t*) (bf16: the 16 bits become the high
+// half of an fp32, exactly), load(const int8_t*) (sign-extended, converted exactly).
+#if defined(FASTSPEC_ISA_AVX512)
+#include <immintrin.h>
+constexpr int PANEL = 32, MR_MAX = 12;
+struct Vec {
+  static constexpr int L = 16;
+  __m512 v;
+  static FS_INLINE Vec zero() { return {_mm512_setzero_ps()}; }
+  static FS_INLINE Vec set1(float a) { return {_mm512_set1_ps(a)}; }
+  static FS_INLINE Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static FS_INLINE Vec load(const uint16_t* p) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
   }
-  if (ncols == 32) {
+  static FS_INLINE Vec load(const int8_t* p) {
+    __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return {_mm512_cvtepi32_ps(w)};
+  }
+  static FS_INLINE Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  static FS_INLINE Vec mul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  static FS_INLINE Vec add(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
+  FS_INLINE void store(float* p) const { _mm512_storeu_ps(p, v); }
+};
+#elif defined(FASTSPEC_ISA_AVX2)
+#include <immintrin.h>
+constexpr int PANEL = 16, MR_MAX = 6;      // 16 ymm: 12 accumulators, 2 weights, 1 broadcast
+struct Vec {
+  static constexpr int L = 8;
+  __m256 v;
+  static FS_INLINE Vec zero() { return {_mm256_setzero_ps()}; }
+  static FS_INLINE Vec set1(float a) { return {_mm256_set1_ps(a)}; }
+  static FS_INLINE Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static FS_INLINE Vec load(const uint16_t* p) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
+  }
+  static FS_INLINE Vec load(const int8_t* p) {
+    __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return {_mm256_cvtepi32_ps(w)};
+  }
+  static FS_INLINE Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  static FS_INLINE Vec mul(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
+  static FS_INLINE Vec add(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
+  FS_INLINE void store(float* p) const { _mm256_storeu_ps(p, v); }
+};
+#elif defined(FASTSPEC_ISA_NEON)
+#include <arm_neon.h>
+constexpr int PANEL = 16, MR_MAX = 6;      // 32 q registers: 24 accumulators, 4 weights, 1 broadcast
+struct Vec {
+  static constexpr int L = 4;
+  float32x4_t v;
+  static FS_INLINE Vec zero() { return {vdupq_n_f32(0.f)}; }
+  static FS_INLINE Vec set1(float a) { return {vdupq_n_f32(a)}; }
+  static FS_INLINE Vec load(const float* p) { return {vld1q_f32(p)}; }
+  static FS_INLINE Vec load(const uint16_t* p) {
+    return {vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16))};
+  }
+  static FS_INLINE Vec load(const int8_t* p) {
+    int32_t four;
+    std::memcpy(&four, p, 4);
+    int16x8_t w16 = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(four)));
+    return {vcvtq_f32_s32(vmovl_s16(vget_low_s16(w16)))};
+  }
+  static FS_INLINE Vec fma(Vec a, Vec b, Vec c) { return {vfmaq_f32(c.v, a.v, b.v)}; }
+  static FS_INLINE Vec mul(Vec a, Vec b) { return {vmulq_f32(a.v, b.v)}; }
+  static FS_INLINE Vec add(Vec a, Vec b) { return {vaddq_f32(a.v, b.v)}; }
+  FS_INLINE void store(float* p) const { vst1q_f32(p, v); }
+};
+#else
+#error "define one of FASTSPEC_ISA_AVX512, FASTSPEC_ISA_AVX2, FASTSPEC_ISA_NEON"
+#endif
+
+constexpr int NV = PANEL / Vec::L;         // weight vectors per panel row
+
+// acc[m][:] += x[m, i] * panel[i, :] for MR rows: one weight row widened once, used MR times.
+template <int MR, typename WT>
+FS_INLINE void step(Vec (&acc)[MR][NV], const WT* __restrict p, const float* __restrict x,
+                    int64_t ldx, int64_t i, const WT* pf) {
+  if (pf != nullptr) {                     // software prefetch of a later weight row, to L2
+#pragma GCC unroll 4
+    for (size_t b = 0; b < PANEL * sizeof(WT); b += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(pf + i * PANEL) + b, 0, 1);
+  }
+  Vec w[NV];
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; v++) w[v] = Vec::load(p + i * PANEL + v * Vec::L);
 #pragma GCC unroll 16
-    for (int m = 0; m < MR; m++) {
-      _mm512_storeu_ps(y + m * ldy, a0[m]);
-      _mm512_storeu_ps(y + m * ldy + 16, a1[m]);
+  for (int m = 0; m < MR; m++) {
+    Vec xb = Vec::set1(x[m * ldx + i]);
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; v++) acc[m][v] = Vec::fma(w[v], xb, acc[m][v]);
+  }
+}
+
+// c[m, :] (+)= sum_{i0 <= i < i1} x[m, i] * panel[i, :] for MR rows, in registers; c is the
+// [MR, PANEL] block of a scratch of whole panel rows (add: accumulate onto it, else overwrite).
+// pf: prefetch pf[i] alongside p[i] (nullptr: none).
+// Few rows (decode) give few independent FMA chains, so U interleaved accumulator sets (summed
+// at the end) keep ~8 chains in flight: without them a 1-row int8 panel waits on FMA latency.
+template <int MR, typename WT>
+void ukern(const WT* __restrict p, const float* __restrict x, int64_t ldx, int64_t i0, int64_t i1,
+           float* __restrict c, bool add, const WT* pf) {
+  constexpr int U = MR * NV >= 8 ? 1 : (8 / (MR * NV) >= 4 ? 4 : 8 / (MR * NV));
+  Vec acc[U][MR][NV];
+#pragma GCC unroll 4
+  for (int u = 0; u < U; u++)
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; m++)
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; v++)
+        acc[u][m][v] = (u == 0 && add) ? Vec::load(c + m * PANEL + v * Vec::L) : Vec::zero();
+  int64_t i = i0;
+  for (; i + U <= i1; i += U) {
+#pragma GCC unroll 4
+    for (int u = 0; u < U; u++) step<MR>(acc[u], p, x, ldx, i + u, pf);
+  }
+  for (; i < i1; i++) step<MR>(acc[0], p, x, ldx, i, pf);
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; m++)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; v++) {
+#pragma GCC unroll 4
+      for (int u = 1; u < U; u++) acc[0][m][v] = Vec::add(acc[0][m][v], acc[u][m][v]);
+      acc[0][m][v].store(c + m * PANEL + v * Vec::L);
     }
-  } else {
-    __mmask16 k0 = ncols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << ncols) - 1);
-    __mmask16 k1 = ncols <= 16 ? (__mmask16)0 : (__mmask16)((1u << (ncols - 16)) - 1);
-    for (int m = 0; m < MR; m++) {
-      _mm512_mask_storeu_ps(y + m * ldy, k0, a0[m]);
-      _mm512_mask_storeu_ps(y + m * ldy + 16, k1, a1[m]);
+}
+
+template <typename WT>
+using ukern_fn = void (*)(const WT*, const float*, int64_t, int64_t, int64_t, float*, bool,
+                          const WT*);
+
+template <typename WT, size_t... R>
+constexpr std::array<ukern_fn<WT>, MR_MAX + 1> table(std::index_sequence<R...>) {
+  return {nullptr, &ukern<R + 1, WT>...};
+}
+
+// Panels [b0, b1) of y[M, O] = x[M, I] @ W^T, W packed as [ceil(O/PANEL), I, PANEL].
+// Rows go in tiles of balanced height (16 rows at MR_MAX 12: 8 + 8, not 12 + 4: a thin tile
+// re-reads the panel for few FMAs). With several tiles the panel is walked in chunks of KC
+// inputs and every tile takes its turn on a chunk while it sits in L1: the panel streams from
+// memory once, overlapped with all rows' FMAs (tile after tile over the whole panel would add
+// each later tile's compute to the streaming time).
+// Software prefetch, KC rows ahead (past the panel's end: the next panel's start, which comes
+// next), by every tile (issued by the first tile alone, the burst outran the outstanding-miss
+// slots and the next chunk was not in flight during the later tiles' turns: AVX2 8 rows 15%
+// slower). Measured on Zen 4 it pays once the loop spends longer per weight byte
+// than one fp32 row over a 128-byte AVX-512 row (2+ rows over a <= 64-byte row: bf16, int8, AVX2)
+// and costs ~10% where the hardware prefetcher already keeps up (1 row; 2-4 rows over 128 bytes).
+constexpr int64_t KC = 256;
+
+template <typename WT>
+constexpr bool prefetch_rows(int64_t M) {
+  return M >= 2 && (PANEL * sizeof(WT) <= 64 || M >= 8);
+}
+
+template <typename WT>
+void panels(const WT* packed, const float* scales, const float* x, float* y, int64_t M, int64_t I,
+            int64_t O, int64_t b0, int64_t b1) {
+  static constexpr auto K = table<WT>(std::make_index_sequence<MR_MAX>{});
+  const int64_t tiles = (M + MR_MAX - 1) / MR_MAX;
+  const int64_t kc = tiles == 1 ? I : KC;
+  const bool pf = prefetch_rows<WT>(M);
+  std::vector<float> scratch(M * PANEL);
+  float* c = scratch.data();
+  for (int64_t b = b0; b < b1; b++) {
+    const WT* pb = packed + b * I * PANEL;
+    for (int64_t i0 = 0; i0 < I; i0 += kc) {
+      const int64_t i1 = std::min(I, i0 + kc);
+      for (int64_t t = 0, m0 = 0; t < tiles; t++) {
+        const int64_t mr = M / tiles + (t < M % tiles ? 1 : 0);
+        K[mr](pb, x + m0 * I, I, i0, i1, c + m0 * PANEL, i0 > 0,
+              pf ? pb + KC * PANEL : nullptr);
+        m0 += mr;
+      }
+    }
+    // The finished panel: int8 scales once per output, the ragged last panel cut to O.
+    const int64_t nc = std::min<int64_t>(PANEL, O - b * PANEL);
+    const float* sb = scales == nullptr ? nullptr : scales + b * PANEL;
+    for (int64_t m = 0; m < M; m++) {
+      float* yr = y + m * O + b * PANEL;
+      const float* cr = c + m * PANEL;
+      if (sb != nullptr)
+        for (int64_t o = 0; o < nc; o++) yr[o] = cr[o] * sb[o];
+      else
+        std::memcpy(yr, cr, nc * sizeof(float));
     }
   }
 }
 
-using kfn = void (*)(const float*, const float*, int64_t, float*, int64_t, int64_t, int64_t);
-const kfn KERNELS[13] = {nullptr, ukern<1>, ukern<2>, ukern<3>, ukern<4>, ukern<5>, ukern<6>,
-                         ukern<7>, ukern<8>, ukern<9>, ukern<10>, ukern<11>, ukern<12>};
+#ifndef FASTSPEC_NO_TORCH
 
-at::Tensor pack_weight(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "pack_weight: 2-D fp32 weight");
-  auto wc = w.contiguous();
-  const int64_t O = wc.size(0), I = wc.size(1), nb = (O + 31) / 32;
-  auto p = at::zeros({nb, I, 32}, wc.options());
-  const float* src = wc.data_ptr<float>();
-  float* dst = p.data_ptr<float>();
-  at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; b++)
-      for (int64_t j = 0; j < 32 && b * 32 + j < O; j++)
-        for (int64_t i = 0; i < I; i++)
-          dst[(b * I + i) * 32 + j] = src[(b * 32 + j) * I + i];
-  });
-  return p;
-}
-
-at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
-              "skinny_linear: fp32 only");
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const c10::optional<at::Tensor>& scales, int64_t out_features) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "skinny_linear: fp32 activations only");
   const int64_t I = x.size(-1);
-  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == I && packed.size(2) == 32,
-              "skinny_linear: packed weight does not match input features");
+  TORCH_CHECK(I > 0, "skinny_linear: no input features");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == I && packed.size(2) == PANEL && packed.is_contiguous(),
+              "skinny_linear: packed weight is not [panels, ", I, ", ", PANEL, "] for this ISA");
   const int64_t O = out_features, nb = packed.size(0);
-  TORCH_CHECK(nb * 32 >= O, "skinny_linear: bad out_features");
+  TORCH_CHECK(O > 0 && nb * PANEL >= O && (nb - 1) * PANEL < O, "skinny_linear: bad out_features");
+  const float* sp = nullptr;
+  if (packed.scalar_type() == at::kChar) {
+    TORCH_CHECK(scales.has_value() && scales->scalar_type() == at::kFloat && scales->is_contiguous()
+                && scales->numel() == nb * PANEL, "skinny_linear: int8 panels need fp32 scales [panels * PANEL]");
+    sp = scales->data_ptr<float>();
+  } else {
+    TORCH_CHECK(!scales.has_value(), "skinny_linear: scales go with int8 panels only");
+  }
   auto xc = x.contiguous();
   const int64_t M = xc.numel() / I;
   auto out_shape = x.sizes().vec();
@@ -101,19 +287,17 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   auto y = at::empty(out_shape, xc.options());
   if (M == 0) return y;
   const float* xp = xc.data_ptr<float>();
-  const float* pp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int nt = at::get_num_threads();
-#pragma omp parallel for schedule(static) num_threads(nt)
-  for (int64_t b = 0; b < nb; b++) {
-    {
-      const float* pb = pp + b * I * 32;
-      const int64_t nc = std::min<int64_t>(32, O - b * 32);
-      for (int64_t m0 = 0; m0 < M; m0 += 12) {
-        const int64_t mr = std::min<int64_t>(12, M - m0);
-        KERNELS[mr](pb, xp + m0 * I, I, yp + m0 * O + b * 32, O, I, nc);
-      }
-    }
+  auto run = [&](auto* wp) {
+    at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+      panels(wp, sp, xp, yp, M, I, O, b0, b1);
+    });
+  };
+  switch (packed.scalar_type()) {
+    case at::kFloat: run(packed.data_ptr<float>()); break;
+    case at::kBFloat16: run(reinterpret_cast<const uint16_t*>(packed.data_ptr())); break;
+    case at::kChar: run(packed.data_ptr<int8_t>()); break;
+    default: TORCH_CHECK(false, "skinny_linear: panels must be float32, bfloat16 or int8");
   }
   return y;
 }
@@ -124,20 +308,79 @@ void kv_write_(at::Tensor& cache, int64_t layer, const at::Tensor& rows, const a
   using at::indexing::Slice;
   cache.select(0, layer).index_put_({rows, Slice(), cols}, value.to(cache.scalar_type()));
 }
+#endif
 
 }  // namespace
 
-TORCH_LIBRARY(fastspec, m) {
+#ifndef FASTSPEC_NO_TORCH
+// The op namespace is the ISA's (fastspec_avx512, ...): two expansion levels so the macro
+// FASTSPEC_NS is replaced before TORCH_LIBRARY pastes it into names.
+#define FS_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define FS_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+FS_LIBRARY(FASTSPEC_NS, m) {
   m.def("kv_write_(Tensor(a!) cache, int layer, Tensor rows, Tensor cols, Tensor value) -> ()");
-  m.def("skinny_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
-  m.def("pack_weight(Tensor w) -> Tensor");
+  m.def("skinny_linear(Tensor x, Tensor packed, Tensor? scales, int out_features) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(fastspec, CPU, m) {
+FS_LIBRARY_IMPL(FASTSPEC_NS, CPU, m) {
   m.impl("skinny_linear", &skinny_linear);
-  m.impl("pack_weight", &pack_weight);
   m.impl("kv_write_", &kv_write_);
 }
+#endif
 """
+
+
+@dataclass(frozen=True)
+class _Isa:
+    name: str
+    panel: int          # outputs per packed panel (PANEL in the source)
+    rows: int           # token rows per micro-tile (MR_MAX in the source)
+    cflags: tuple[str, ...]
+
+
+ISAS = {
+    "avx512": _Isa("avx512", 32, 12, ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma")),
+    "avx2": _Isa("avx2", 16, 6, ("-mavx2", "-mfma")),
+    "neon": _Isa("neon", 16, 6, ()),
+}
+# at::parallel_for is inlined from ATen's headers: without OpenMP it runs on one thread. Apple's
+# clang has no -fopenmp (torch brings its own libomp there): one thread on macOS.
+_OPENMP = () if platform.system() == "Darwin" else ("-fopenmp",)
+
+
+def cpu_isas() -> tuple[str, ...]:
+    """The kernel ISAs this CPU runs, widest first (x86: from torch's CPU capability, so
+    ATEN_CPU_CAPABILITY narrows it too; aarch64: NEON, part of the base ISA)."""
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return ("neon",)
+    if machine in ("x86_64", "amd64"):
+        cap = torch.backends.cpu.get_cpu_capability()
+        return {"AVX512": ("avx512", "avx2"), "AVX2": ("avx2",)}.get(cap, ())
+    return ()
+
+
+def _cpu_words() -> str:
+    return f"{platform.machine()}, torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+
+
+def requested_isa() -> tuple[str | None, str]:
+    """(the ISA to use, or None and why): FASTSPEC_ISA if set (a wider ISA than the CPU runs is a
+    FastspecError), else the widest the CPU runs."""
+    have = cpu_isas()
+    forced = os.environ.get("FASTSPEC_ISA", "").strip().lower()
+    if forced:
+        if forced == "none":
+            return None, "FASTSPEC_ISA=none"
+        if forced not in ISAS:
+            raise FastspecError(f"FASTSPEC_ISA={forced}: unknown (choose {'|'.join(ISAS)}|none)")
+        if forced not in have:
+            raise FastspecError(f"FASTSPEC_ISA={forced}: this CPU ({_cpu_words()}) runs "
+                                f"{', '.join(have) or 'none of ' + ', '.join(ISAS)}; unset FASTSPEC_ISA "
+                                f"or pick {'|'.join((*have, 'none'))}")
+        return forced, ""
+    if not have:
+        return None, f"{_cpu_words()}: no AVX-512, AVX2+FMA or NEON"
+    return have[0], ""
 
 
 def _build_dir() -> str:
@@ -147,54 +390,128 @@ def _build_dir() -> str:
     return d
 
 
+@dataclass(frozen=True)
+class Kernel:
+    """One built ISA: its op namespace and panel geometry."""
+    isa: str
+    panel: int
+    rows: int
+
+    @property
+    def path(self) -> str:
+        return f"skinny-{self.isa}"
+
+    @property
+    def ops(self):
+        return getattr(torch.ops, f"fastspec_{self.isa}")
+
+    def pack(self, w: torch.Tensor, precision: str = "fp32",
+             scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[out, in] fp32 weight -> (panels [ceil(out/panel), in, panel], scales or None).
+
+        precision fp32 / bf16 (rounded to nearest even: exact when the weight already holds bf16
+        values) / int8 (q = round(w / scales[o]) in [-127, 127]: exact when w = scales[o] * q;
+        the fp32 scales come back padded to whole panels)."""
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown weight precision {precision!r} (choose {', '.join(PRECISIONS)})")
+        with torch.no_grad():
+            w = w.detach().float()
+            out_features, in_features = w.shape
+            panels = -(-out_features // self.panel)
+            pad = panels * self.panel - out_features
+            packed_scales = None
+            if precision == "int8":
+                if scales is None or scales.shape != (out_features,):
+                    raise ValueError(f"int8 packing needs scales of shape ({out_features},)")
+                s = scales.float()
+                w = torch.round(w / torch.where(s > 0, s, 1.0)[:, None]).clamp_(-127, 127)
+                packed_scales = torch.cat([s, s.new_zeros(pad)]).contiguous()
+            w = torch.cat([w, w.new_zeros(pad, in_features)])
+            # [panels * P, in] -> [panels, P, in] -> [panels, in, P]: each panel one stream.
+            packed = w.view(panels, self.panel, in_features).transpose(1, 2)
+            return packed.to(_PANEL_DTYPE[precision]).contiguous(), packed_scales
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | None,
+               out_features: int) -> torch.Tensor:
+        return self.ops.skinny_linear(x, packed, scales, out_features)
+
+
 @functools.cache
-def available() -> bool:
-    """Build (once; cached on disk) and load the kernel. False if unsupported or the build fails."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX512",):
-        return False
-    try:
-        from torch.utils.cpp_extension import load_inline
+def load(isa: str) -> Kernel:
+    """Build (once; cached on disk) and load the kernel for `isa`; raises if the build fails.
+    The caller makes sure the CPU runs `isa` (loading is fine anywhere, running is not)."""
+    from torch.utils.cpp_extension import load_inline
 
-        name = "fastspec_skinny_" + hashlib.sha1((_CPP + torch.__version__).encode()).hexdigest()[:12]
-        build = os.path.join(_build_dir(), name)
-        os.makedirs(build, exist_ok=True)
-        load_inline(name=name, cpp_sources=[_CPP], functions=None, build_directory=build,
-                    extra_cflags=["-O3", "-mavx512f", "-mavx512dq", "-mfma", "-fopenmp", "-DNDEBUG"],
-                    extra_ldflags=["-fopenmp"],
-                    is_python_module=False, verbose=False)
-    except Exception as e:  # no compiler, missing headers...: the caller falls back to F.linear
-        import warnings
-        warnings.warn(f"fastspec: skinny_linear kernel unavailable ({type(e).__name__}: {e})")
-        return False
+    spec = ISAS[isa]
+    cflags = ["-O3", "-DNDEBUG", f"-DFASTSPEC_ISA_{isa.upper()}", f"-DFASTSPEC_NS=fastspec_{isa}",
+              *spec.cflags, *_OPENMP]
+    digest = hashlib.sha1((_CPP + " ".join(cflags) + torch.__version__).encode()).hexdigest()[:12]
+    name = f"fastspec_skinny_{isa}_{digest}"
+    build = os.path.join(_build_dir(), name)
+    os.makedirs(build, exist_ok=True)
+    load_inline(name=name, cpp_sources=[_CPP], functions=None, build_directory=build,
+                extra_cflags=cflags, extra_ldflags=list(_OPENMP), is_python_module=False, verbose=False)
+    ns = f"fastspec_{isa}"
 
-    @torch.library.register_fake("fastspec::skinny_linear")
-    def _(x, packed, out_features):
+    @torch.library.register_fake(f"{ns}::skinny_linear")
+    def _(x, packed, scales, out_features):
         return x.new_empty((*x.shape[:-1], out_features))
 
-    @torch.library.register_fake("fastspec::kv_write_")
+    @torch.library.register_fake(f"{ns}::kv_write_")
     def _(cache, layer, rows, cols, value):
         return None
 
-    return True
+    return Kernel(isa, spec.panel, spec.rows)
 
 
-def pack_weight(w: torch.Tensor) -> torch.Tensor:
-    """[out, in] fp32 -> [ceil(out/32), in, 32] panels (a copy; the original is untouched)."""
-    if not available():
+def _warn_fallback(reason: str) -> None:
+    # One line on stderr (warnings.warn would add a source line), printed by `active` (cached).
+    print(f"fastspec: no skinny-GEMM kernel ({reason}); compiled CPU steps fall back to inductor's "
+          f"GEMM, ~2x slower per decode forward", file=sys.stderr, flush=True)
+
+
+@functools.cache
+def active() -> Kernel | None:
+    """The kernel compiled CPU steps use (built on first call), or None after one warning line.
+    FASTSPEC_ISA wider than the CPU raises FastspecError. Cached per process
+    (`active.cache_clear()` re-reads FASTSPEC_ISA)."""
+    isa, reason = requested_isa()
+    if isa is not None:
+        try:
+            return load(isa)
+        except Exception as e:  # no compiler, missing headers...: callers fall back to inductor
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            reason = f"{isa} build failed: {type(e).__name__}: {first}"
+    _warn_fallback(reason)
+    return None
+
+
+def available() -> bool:
+    return active() is not None
+
+
+def kernel_path() -> str:
+    """What compiled CPU steps run their big linears with: skinny-avx512 / skinny-avx2 /
+    skinny-neon, or fallback (inductor's GEMM)."""
+    k = active()
+    return k.path if k is not None else "fallback"
+
+
+def skinny_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | None,
+                  out_features: int) -> torch.Tensor:
+    """y = x @ W^T through the active kernel; `packed, scales` from `active().pack(W, ...)`."""
+    k = active()
+    if k is None:
         raise RuntimeError("fastspec skinny_linear kernel is unavailable on this machine")
-    with torch.no_grad():
-        return torch.ops.fastspec.pack_weight(w.detach())
-
-
-def skinny_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    return torch.ops.fastspec.skinny_linear(x, packed, out_features)
+    return k.linear(x, packed, scales, out_features)
 
 
 @functools.cache
 def kv_write_op():
     """In-place `cache[layer][rows, :, cols] = value` as an opaque op (C++ when built, else Python)."""
-    if available():
-        return torch.ops.fastspec.kv_write_.default
+    k = active()
+    if k is not None:
+        return k.ops.kv_write_.default
 
     @torch.library.custom_op("fastspec_py::kv_write_", mutates_args=("cache",))
     def kv_write_(cache: torch.Tensor, layer: int, rows: torch.Tensor, cols: torch.Tensor,
@@ -202,4 +519,3 @@ def kv_write_op():
         cache[layer][rows, :, cols] = value.to(cache.dtype)
 
     return torch.ops.fastspec_py.kv_write_.default
-

@@ -10,9 +10,10 @@ one static shape: pass the same `fn` for a key every time (a bound method or a f
 Backends
   eager       fn(*inputs) under no_grad.
   compile     one `torch.compile(fn, dynamic=False, fullgraph=False)` per key, made on first use.
-              The compiler is fastspec's (graphs/compile.py: packed skinny GEMMs when `model` is
-              given and the AVX-512 kernel builds, in-place KV writes, inductor) unless `compiler`
-              names another torch.compile backend ("inductor", "aot_eager", a callable, ...).
+              The compiler is fastspec's (graphs/compile.py: packed skinny GEMMs at the model's
+              weight precision when `model` is given and a kernel for this CPU builds —
+              AVX-512, AVX2 or NEON, graphs/kernels.py —, in-place KV writes, inductor) unless
+              `compiler` names another torch.compile backend ("inductor", "aot_eager", a callable).
   cuda-graph  per key: compile fn (inductor, mode "max-autotune-no-cudagraphs"), warm it up on a side
               stream, capture one `torch.cuda.CUDAGraph` into static input/output buffers from one
               shared memory pool, lazily on first use; keep at most `max_graphs` (least recently
@@ -170,6 +171,7 @@ class StepRunner:
         self._entries: OrderedDict[GraphKey, _Entry] = OrderedDict()
         self._stats: dict[GraphKey, _Stats] = {}
         self._packed: dict | None = None
+        self._kernel = None
         self._pool = None
 
     # --- public -----------------------------------------------------------------------------
@@ -252,9 +254,13 @@ class StepRunner:
         from fastspec.graphs import kernels
         setup_inductor_cache()
         if self._packed is None:
-            self._packed = (_pack_model(self.model) if self.model is not None and kernels.available()
-                            else {})
-        return _skinny_backend(self._packed)
+            # The kernel for this CPU (built on first use; None: one warning line, inductor's
+            # GEMMs) and the weights packed for it once per runner, at the model's weight
+            # precision (fastspec/weights.py).
+            self._kernel = kernels.active()
+            self._packed = (_pack_model(self.model, self._kernel)
+                            if self.model is not None and self._kernel is not None else {})
+        return _skinny_backend(self._packed, self._kernel)
 
     def _compile(self, key: GraphKey, kind: str, fn: Callable) -> Callable:
         # Every key compiles the same code object once more: lift dynamo's limits (default 8,

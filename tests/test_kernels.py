@@ -1,0 +1,295 @@
+"""The skinny-GEMM kernel on every ISA this CPU runs, at every weight precision; the ISA switch; the
+fallback; low-precision weights keep self-speculation lossless against AR on the same weights."""
+import os
+import platform
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from conftest import tiny_drafter, tiny_loaded, random_token_prompts
+from fastspec.config import FastspecError
+from fastspec.engine import Engine
+from fastspec.graphs import kernels
+from fastspec.graphs.compile import _pack_model
+from fastspec.sampling import SamplingParams
+from fastspec.weights import (PRECISIONS, apply_weight_precision, big_linear_weights, int8_scales,
+                              round_int8, weight_precision)
+
+ISAS = kernels.cpu_isas()
+needs_kernel = pytest.mark.skipif(not ISAS, reason="no kernel ISA on this CPU")
+
+
+@pytest.fixture
+def isa_env(monkeypatch):
+    """FASTSPEC_ISA set inside the test; the process's kernel choice is re-read before and after."""
+    kernels.active.cache_clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    kernels.active.cache_clear()
+
+
+def rounded_weight(out_features: int, in_features: int, precision: str, g: torch.Generator):
+    """A random [out, in] weight holding exactly `precision`'s values, and its int8 scales."""
+    w = torch.randn(out_features, in_features, generator=g)
+    w[0] *= 10                                  # rows of different scales
+    if precision == "bf16":
+        return w.bfloat16().float(), None
+    if precision == "int8":
+        s = int8_scales(w)
+        return round_int8(w, s), s
+    return w, None
+
+
+# --- the kernel -------------------------------------------------------------------------------
+@needs_kernel
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("isa", ISAS)
+def test_kernel_equals_x_at_w_transposed(isa, precision):
+    """Every row count 1..16 (whole and partial micro-tiles) against ragged out-features (a last
+    panel of 1..panel-1 columns) and odd in-features: y = x @ W^T with W the dequantized weight,
+    to fp32 accumulation error."""
+    k = kernels.load(isa)
+    g = torch.Generator().manual_seed(0)
+    for out_features, in_features in [(1, 1), (5, 7), (k.panel, 64), (k.panel + 1, 33), (100, 130),
+                                      (3 * k.panel - 3, 96), (20, 300)]:
+        w, s = rounded_weight(out_features, in_features, precision, g)
+        panels, scales = k.pack(w, precision, s)
+        assert panels.dtype == {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}[precision]
+        assert panels.shape == (-(-out_features // k.panel), in_features, k.panel)
+        for rows in range(1, 17):
+            x = torch.randn(rows, in_features, generator=g)
+            y = k.linear(x, panels, scales, out_features)
+            ref = x.double() @ w.double().T
+            bound = 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-30
+            assert y.shape == (rows, out_features) and y.dtype == torch.float32
+            assert ((y.double() - ref).abs() <= bound).all(), (isa, precision, out_features, in_features, rows)
+    # Leading dims are kept, a non-contiguous input is read correctly.
+    w, s = rounded_weight(40, 24, precision, g)
+    panels, scales = k.pack(w, precision, s)
+    x = torch.randn(3, 24, 5, generator=g).transpose(1, 2)
+    torch.testing.assert_close(k.linear(x, panels, scales, 40), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_kernel_refuses_mismatched_panels():
+    k = kernels.load(ISAS[0])
+    w = torch.randn(20, 8)
+    panels, _ = k.pack(w)
+    with pytest.raises(RuntimeError, match="packed weight"):
+        k.linear(torch.randn(2, 9), panels, None, 20)
+    q, s = k.pack(w, "int8", int8_scales(w))
+    with pytest.raises(RuntimeError, match="scales"):
+        k.linear(torch.randn(2, 8), q, None, 20)
+
+
+NEON_HARNESS = r"""
+#include <cmath>
+#include <cstdio>
+#include <vector>
+#include "kernel.inc"
+static uint32_t rng = 12345;
+static float rnd() { rng = rng * 1664525u + 1013904223u; return ((rng >> 8) / 16777216.0f) * 2 - 1; }
+
+// Packs a random weight of `kind` (0 fp32, 1 bf16, 2 int8) the way Kernel.pack does and returns
+// the worst |kernel - reference| / sum|x w| over all outputs.
+template <typename WT>
+double check(int O, int I, int M, int kind) {
+  const int nb = (O + PANEL - 1) / PANEL;
+  std::vector<float> w(O * I), x(M * I), y(M * O), scale(nb * PANEL, 0.f);
+  std::vector<WT> packed(nb * I * PANEL, WT(0));
+  for (auto& v : x) v = rnd();
+  for (int o = 0; o < O; o++) {
+    const float s = 0.01f + 0.02f * (o % 7);
+    scale[o] = s;
+    for (int i = 0; i < I; i++) {
+      float r = rnd();
+      WT q{};
+      if constexpr (sizeof(WT) == 4) { q = r; w[o * I + i] = r; }
+      if constexpr (sizeof(WT) == 2) {
+        uint32_t u; std::memcpy(&u, &r, 4); u &= 0xFFFF0000u; std::memcpy(&w[o * I + i], &u, 4);
+        q = (WT)(u >> 16);
+      }
+      if constexpr (sizeof(WT) == 1) { int qi = (int)std::lround(r * 127); w[o * I + i] = s * qi; q = (WT)qi; }
+      packed[(o / PANEL) * I * PANEL + i * PANEL + o % PANEL] = q;
+    }
+  }
+  panels<WT>(packed.data(), kind == 2 ? scale.data() : nullptr, x.data(), y.data(), M, I, O, 0, nb);
+  double worst = 0;
+  for (int m = 0; m < M; m++)
+    for (int o = 0; o < O; o++) {
+      double ref = 0, mag = 0;
+      for (int i = 0; i < I; i++) {
+        ref += (double)x[m * I + i] * w[o * I + i];
+        mag += std::fabs((double)x[m * I + i] * w[o * I + i]);
+      }
+      worst = std::max(worst, std::fabs(y[m * O + o] - ref) / (mag + 1e-30));
+    }
+  return worst;
+}
+
+int main() {
+  const int shapes[][2] = {{1, 1}, {5, 7}, {16, 64}, {17, 33}, {31, 96}, {100, 130}};
+  double worst = 0;
+  for (auto& s : shapes)
+    for (int M = 1; M <= 16; M++) {
+      worst = std::max(worst, check<float>(s[0], s[1], M, 0));
+      worst = std::max(worst, check<uint16_t>(s[0], s[1], M, 1));
+      worst = std::max(worst, check<int8_t>(s[0], s[1], M, 2));
+    }
+  std::printf("worst relative error %.3g\n", worst);
+  return worst < 1e-5 ? 0 : 1;
+}
+"""
+
+
+@pytest.mark.skipif(not (shutil.which("aarch64-linux-gnu-g++") and shutil.which("qemu-aarch64")),
+                    reason="needs aarch64-linux-gnu-g++ and qemu-aarch64")
+def test_neon_micro_kernel_under_qemu(tmp_path):
+    """The NEON build of the same source (micro-kernels alone, no torch), cross-compiled and run
+    under qemu: every precision, rows 1..16, ragged panels, against a double reference."""
+    (tmp_path / "kernel.inc").write_text(kernels._CPP)
+    (tmp_path / "harness.cpp").write_text(NEON_HARNESS)
+    exe = tmp_path / "harness"
+    subprocess.run(["aarch64-linux-gnu-g++", "-O2", "-std=c++17", "-static", "-DFASTSPEC_NO_TORCH",
+                    "-DFASTSPEC_ISA_NEON", str(tmp_path / "harness.cpp"), "-o", str(exe)],
+                   check=True, capture_output=True)
+    run = subprocess.run(["qemu-aarch64", str(exe)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+# --- choosing the ISA -------------------------------------------------------------------------
+@pytest.mark.skipif("avx2" not in ISAS, reason="the CPU does not run AVX2")
+def test_forced_isa_picks_the_avx2_kernel(isa_env):
+    isa_env.setenv("FASTSPEC_ISA", "avx2")
+    assert kernels.kernel_path() == "skinny-avx2"
+    assert kernels.active().panel == 16
+
+
+def test_an_isa_the_cpu_lacks_is_refused(isa_env):
+    missing = next(isa for isa in kernels.ISAS if isa not in ISAS)      # x86 lacks neon, arm lacks avx*
+    isa_env.setenv("FASTSPEC_ISA", missing)
+    with pytest.raises(FastspecError, match=f"FASTSPEC_ISA={missing}: this CPU"):
+        kernels.kernel_path()
+    isa_env.setenv("FASTSPEC_ISA", "avx1024")
+    kernels.active.cache_clear()
+    with pytest.raises(FastspecError, match="unknown"):
+        kernels.kernel_path()
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 capabilities")
+def test_avx512_is_refused_on_an_avx2_cpu(isa_env):
+    isa_env.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert kernels.cpu_isas() == ("avx2",)
+    isa_env.setenv("FASTSPEC_ISA", "avx512")
+    with pytest.raises(FastspecError, match="runs avx2; unset FASTSPEC_ISA or pick avx2|none"):
+        kernels.kernel_path()
+    isa_env.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    isa_env.delenv("FASTSPEC_ISA")
+    assert kernels.requested_isa()[0] is None
+
+
+def test_fallback_warns_once_and_the_compiled_step_is_still_right(isa_env, capfd):
+    """FASTSPEC_ISA=none: one warning line for the whole process, kernel path "fallback", and
+    the compiled step (plain inductor GEMMs, no packing) gives the eager logits."""
+    from fastspec.graphs.keys import GraphKey
+    from fastspec.graphs.profile import forward_inputs, run_environment
+    from fastspec.graphs.runner import StepRunner
+    isa_env.setenv("FASTSPEC_ISA", "none")
+    t = tiny_loaded(seed=4)
+    ids, pos, k, v, cols, mask, slots, _ = forward_inputs(t.cfg, 2, 3, "chain", 5, "cpu", torch.float32)
+    with torch.no_grad():
+        ref = t.model(ids, pos, k.clone(), v.clone(), cols, mask, slots)
+    runner = StepRunner("compile", model=t.model)
+    for _ in range(2):
+        out, = runner.run(GraphKey(2, 3, "chain"), t.model.forward, ids, pos, k.clone(), v.clone(),
+                          cols, mask, slots, static=(2, 3))
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert runner._packed == {}
+    assert kernels.kernel_path() == "fallback"
+    assert run_environment("cpu", torch.float32, "compile")["kernel"] == "fallback"
+    warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("fastspec: ")]
+    assert warnings == ["fastspec: no skinny-GEMM kernel (FASTSPEC_ISA=none); compiled CPU steps fall "
+                        "back to inductor's GEMM, ~2x slower per decode forward"]
+
+
+# --- weight precision -------------------------------------------------------------------------
+def test_weight_precision_rounds_only_the_big_linears():
+    t = tiny_drafter()
+    before = {n: p.clone() for n, p in t.model.named_parameters()}
+    big = {n for n, _ in big_linear_weights(t.model)}
+    assert big == {f"layers.{i}.{w}" for i in range(2)
+                   for w in ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down")} | {"embed"}
+    apply_weight_precision(t.model, "int8")
+    assert weight_precision(t.model) == "int8"
+    for name, p in t.model.named_parameters():
+        if name in big:
+            s = t.model.weight_scales[name]
+            q = (p / s[:, None]).round()            # w = s[o] * q exactly, q an int8 value
+            assert torch.equal(p, q * s[:, None]) and q.abs().max() <= 127
+            assert not torch.equal(p, before[name])
+            assert (p - before[name]).abs().max() <= s.max() / 2 * (1 + 1e-5)
+        else:                                   # norms, LoRA, MASK embedding
+            assert torch.equal(p, before[name]), name
+    with pytest.raises(FastspecError, match="already rounded to int8"):
+        apply_weight_precision(t.model, "fp32")
+    with pytest.raises(FastspecError, match="unknown weight precision"):
+        apply_weight_precision(t.model, "fp8")
+
+    u = tiny_loaded(tie_word_embeddings=False)
+    embed = u.model.embed.clone()
+    apply_weight_precision(u.model, "bf16")
+    assert "lm_head" in {n for n, _ in big_linear_weights(u.model)}
+    assert torch.equal(u.model.lm_head, u.model.lm_head.bfloat16().float())
+    assert torch.equal(u.model.embed, embed)   # an untied embedding is a lookup, not a stream
+
+
+@needs_kernel
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_packing_follows_the_model_precision_exactly(precision):
+    """The packed panels hold exactly the model's (rounded) weights: kernel, eager and inductor
+    steps compute with the same numbers."""
+    k = kernels.load(ISAS[0])
+    t = tiny_loaded(seed=1)
+    apply_weight_precision(t.model, precision)
+    packed = _pack_model(t.model, k)
+    assert len(packed) == len(big_linear_weights(t.model)) == 4 * 2 + 1
+    for _, p in big_linear_weights(t.model):
+        pw = packed[id(p)]
+        assert pw.panels.dtype == {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}[precision]
+        w = pw.panels.float()
+        if precision == "int8":
+            w = w * pw.scales.view(-1, 1, k.panel)          # s[o] of each panel column
+        # [panels, in, P] -> [panels * P, in] -> the first `out` rows.
+        w = w.transpose(1, 2).reshape(-1, p.shape[1])[:pw.out_features]
+        assert torch.equal(w, p)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_greedy_linear_equals_ar_with_low_precision_weights(precision):
+    t = tiny_drafter()
+    apply_weight_precision(t.model, precision)
+    engine = Engine(t, backend="eager")
+    prompts = random_token_prompts(5, seed=7)
+    params = SamplingParams(max_new_tokens=29)
+    for concurrency in (1, 3):
+        ar = engine.generate(prompts, params, concurrency=concurrency)
+        lin = engine.generate(prompts, params, method="linear", block=8, concurrency=concurrency)
+        assert [c.token_ids for c in lin] == [c.token_ids for c in ar]
+
+
+@needs_kernel
+def test_compiled_linear_equals_ar_with_int8_weights_through_the_kernel():
+    """fastspec's real compile backend: int8 panels in the skinny kernel, inductor around them."""
+    t = tiny_drafter()
+    apply_weight_precision(t.model, "int8")
+    prompts = random_token_prompts(2, seed=3)
+    params = SamplingParams(max_new_tokens=20)
+    eager_ar = Engine(t, backend="eager").generate(prompts, params, concurrency=2)
+    engine = Engine(t, backend="compile")
+    ar = engine.generate(prompts, params, concurrency=2)
+    lin = engine.generate(prompts, params, method="linear", block=8, concurrency=2)
+    packed = engine.runner._packed
+    assert packed and all(pw.panels.dtype == torch.int8 for pw in packed.values())
+    assert [c.token_ids for c in lin] == [c.token_ids for c in ar] == [c.token_ids for c in eager_ar]
