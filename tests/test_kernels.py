@@ -70,6 +70,18 @@ def test_kernel_equals_x_at_w_transposed(isa, precision):
     panels, scales = k.pack(w, precision, s)
     x = torch.randn(3, 24, 5, generator=g).transpose(1, 2)
     torch.testing.assert_close(k.linear(x, panels, scales, 40), x @ w.T, rtol=1e-5, atol=1e-5)
+    # Threads split the panels, never a sum: the same bits on 1 thread and on 2.
+    w, s = rounded_weight(300, 200, precision, g)
+    panels, scales = k.pack(w, precision, s)
+    x = torch.randn(13, 200, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = k.linear(x, panels, scales, 300)
+        torch.set_num_threads(2)
+        assert torch.equal(k.linear(x, panels, scales, 300), one)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_kernel
