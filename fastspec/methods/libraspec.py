@@ -59,10 +59,8 @@ import torch
 
 from fastspec.config import FastspecError
 from fastspec.graphs.keys import BATCH_BUCKETS
-from fastspec.layout import causal_block
 from fastspec.methods.base import Plan, RoundOutput, RunInfo
-from fastspec.methods.linear import BLOCK_SIZES, LinearSS, draft_stats
-from fastspec.verify import accept_chain
+from fastspec.methods.linear import BLOCK_SIZES, LinearSS
 
 # RoundOutput.host columns: the chosen length, "still extending at the last known draft", the
 # rows whose forward cost chose it.
@@ -221,13 +219,7 @@ class LibraSpec(LinearSS):
         return gamma, gamma >= known, rows
 
     def round(self, step, pending, blocks, carry, variant="") -> RoundOutput:
-        n = step.width
-        drafts, draft_logp, draft_logits = self.draft(step, pending, blocks)
-        verify_ids = torch.cat([pending[:, None], drafts[:, : n - 1]], dim=1)
-        target_logits = step.forward(verify_ids, causal_block(n, pending.device))
-        emitted, n_emitted, accepted = accept_chain(drafts, target_logits, blocks, step.sampler,
-                                                    draft_logp)
-        prob, conf, margin = draft_stats(draft_logits, drafts)
-        gamma, capped, rows = self.lengths(step, conf, blocks)
-        host = torch.stack([gamma, capped.long(), torch.full_like(gamma, rows)], 1)
-        return RoundOutput(emitted, n_emitted, accepted, prob, conf, margin, host=host)
+        out = super().round(step, pending, blocks, carry, variant)     # LinearSS's draft + verify
+        gamma, capped, rows = self.lengths(step, out.draft_confidence, blocks)
+        out.host = torch.stack([gamma, capped.long(), torch.full_like(gamma, rows)], 1)
+        return out
