@@ -13,7 +13,9 @@ Backends
               The compiler is fastspec's (graphs/compile.py: packed skinny GEMMs at the model's
               weight precision when `model` is given and a kernel for this CPU builds —
               AVX-512, AVX2 or NEON, graphs/kernels.py —, in-place KV writes, inductor) unless
-              `compiler` names another torch.compile backend ("inductor", "aot_eager", a callable).
+              `compiler` names another torch.compile backend ("inductor", "aot_eager", a callable),
+              or "none": no compilation (fn as written; with cuda-graph, a graph of its eager
+              kernels, built in about a second).
   cuda-graph  per key: compile fn (inductor, mode "max-autotune-no-cudagraphs"), warm it up on a side
               stream, capture one `torch.cuda.CUDAGraph` into static input/output buffers from one
               shared memory pool, lazily on first use; keep at most `max_graphs` (least recently
@@ -42,6 +44,7 @@ all the inputs of a model forward by those rules; real rows come back unchanged 
 """
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -54,7 +57,9 @@ from fastspec.graphs.keys import GraphKey
 from fastspec.layout import cache_mask, causal_block
 
 BACKENDS = ("auto", "cuda-graph", "compile", "eager")
-CUDA_GRAPH_MODE = "max-autotune-no-cudagraphs"
+# Inductor's mode under captured steps; FASTSPEC_INDUCTOR_MODE=default skips GEMM autotuning (a
+# shorter warm-up for slower steps).
+CUDA_GRAPH_MODE = os.environ.get("FASTSPEC_INDUCTOR_MODE", "max-autotune-no-cudagraphs")
 
 
 # --- padding ----------------------------------------------------------------------------------
@@ -232,6 +237,10 @@ class StepRunner:
         entry = self._entries.pop(key, None)
         if entry is not None and entry.graph is not None:
             entry.graph.reset()                   # frees its share of the pool
+            if not any(e.graph is not None for e in self._entries.values()):
+                # The pool died with its last graph: capturing into its handle again trips
+                # CUDACachingAllocator's use_count assert (seen on torch 2.11, H200).
+                self._pool = None
         if entry is not None:
             entry.graph, entry.static_in, entry.static_out = None, [], ()
 
@@ -268,6 +277,8 @@ class StepRunner:
         cfg = torch._dynamo.config
         cfg.recompile_limit = max(cfg.recompile_limit, 4 * self.max_graphs, 64)
         cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 16 * self.max_graphs, 256)
+        if self.compiler == "none":
+            return fn
         base = self._base_compiler(kind)
         st = self._stats[key]
 
@@ -301,9 +312,12 @@ class StepRunner:
     def _run_graph(self, key, entry: _Entry, st: _Stats, inputs, static: tuple) -> tuple[torch.Tensor, ...]:
         sig = self._signature(inputs, static)
         if entry.graph is not None and entry.signature != sig:
-            fn = entry.fn                          # new shapes or a moved static buffer: recapture
+            # New shapes or a moved static buffer: capture again. The compiled fn is kept (its
+            # guards are shapes and dtypes, not addresses; new shapes recompile through them).
+            fn, compiled = entry.fn, entry.compiled
             self._drop(key)
             entry = self._entries[key] = _Entry("cuda-graph", fn)
+            entry.compiled = compiled
         if entry.graph is None:
             t0 = time.perf_counter()
             self._capture(key, entry, inputs, static, sig)

@@ -163,3 +163,20 @@ def test_gpu_check_catches_a_wrong_step():
     prompts = random_prompts(3, 12, model.cfg.vocab_size)
     r = check_rounds(loaded, "ar", None, prompts, SamplingParams(max_new_tokens=8), "compile", swap_rows)
     assert r["steps"] >= 1 and r["identical"] < 1.0
+
+
+def test_gpu_check_runs_dflash_and_reports_a_broken_method(tmp_path):
+    """The random model carries a DFlash drafter, so the dflash method's step is checked too; a
+    method that raises is one failed check in the JSON (exit 1), not the end of the run."""
+    import json
+    from fastspec.graphs.gpu_check import main
+    out = tmp_path / "c.json"
+    assert main(["--device", "cpu", "--tiny", "--methods", "dflash", "--blocks", "8", "--concurrency", "2",
+                 "--context", "12", "--new-tokens", "10", "--sampling", "greedy", "--compiler", "aot_eager",
+                 "--no-profile", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["ok"]
+    assert main(["--device", "cpu", "--tiny", "--methods", "no-such-method,ar", "--concurrency", "1",
+                 "--context", "12", "--new-tokens", "4", "--sampling", "greedy", "--compiler", "aot_eager",
+                 "--no-profile", "--out", str(out)]) == 1
+    checks = json.loads(out.read_text())["checks"]
+    assert [c["ok"] for c in checks] == [False, True] and "no-such-method" in checks[0]["error"]

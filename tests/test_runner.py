@@ -93,8 +93,9 @@ def test_padded_bucket_matches_eager_unpadded(drafter, backend, compiler, device
 
     runner = StepRunner(backend, compiler=compiler, model=model)
     key = GraphKey(bucket, N, layout)
+    kc, vc = k.clone(), v.clone()          # one cache, as in the engine (CUDA graphs capture its address)
     for call in range(2):
-        kc, vc = k.clone(), v.clone()
+        kc.copy_(k), vc.copy_(v)
         logits, = runner.run(key, step, P[0], P[1], kc, vc, P[2], P[3], P[4], P[5], static=(2, 3))
         assert logits.shape == (bucket, N, drafter.cfg.vocab_size)
         assert torch.isfinite(logits).all(), "padded rows must never produce NaN"
@@ -201,3 +202,29 @@ def test_in_place_ops_inside_a_step_survive_the_compile_pass():
     val = torch.tensor([[5.0], [6.0], [7.0]])
     got, = runner.run(GraphKey(3, 4, "scatter"), step, x, idx, val)
     assert got.tolist() == [[0, 10, 0, 0], [12, 0, 0, 0], [0, 0, 0, 14]]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("compiler", ["aot_eager", "none"])
+def test_moved_cache_recaptures_without_recompiling(drafter, compiler):
+    """A KV cache at a new address captures the key again (graphs read fixed addresses) but keeps
+    its compiled step; the graph pool, freed with its last graph, is made anew (no allocator
+    assert); every replay still equals eager."""
+    model = drafter.model.to("cuda")
+    bucket, ids, pos, cols, mask, slots, adapter_on, k, v = case(drafter, 3, "chain", "cuda")
+    ref_logits, ref_k, _ = reference(model, ids, pos, cols, mask, slots, adapter_on, k, v)
+    P = pad_step(bucket, ids, pos, cols, mask, slots, adapter_on, num_slots=k.shape[1])
+
+    def step(ids, pos, k, v, cols, mask, slots, adapter_on):
+        return (model(ids, pos, k, v, cols, mask, slots, adapter_on),)
+
+    runner = StepRunner("cuda-graph", compiler=compiler, model=model)
+    key = GraphKey(bucket, N, "chain")
+    for _ in range(3):                                   # three caches, three addresses
+        kc, vc = k.clone(), v.clone()
+        logits, = runner.run(key, step, P[0], P[1], kc, vc, P[2], P[3], P[4], P[5], static=(2, 3))
+        torch.testing.assert_close(logits[:3], ref_logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(kc[:, :3], ref_k[:, :3], rtol=1e-5, atol=1e-5)
+    st = runner.stats()[key]
+    assert st.get("captures") == 3 and st["compiles"] == (0 if compiler == "none" else 1)
+    drafter.model.to("cpu")

@@ -79,18 +79,20 @@ def stop_length(conf: Sequence[float], cost: Sequence[float]) -> int:
     return g
 
 
-def choose_lengths(conf: torch.Tensor, cost: torch.Tensor) -> torch.Tensor:
+def choose_lengths(conf: torch.Tensor, cost: Sequence[float]) -> torch.Tensor:
     """γ [S] for confidences conf [S, n] (column k-1 is c_k; 0 past a row's known drafts) and
-    costs cost [n + 1] (T(0) .. T(n)): the number of leading γ = 0..n-1 at which the rule
-    extends.
+    costs cost[g] = T(g), g = 0..n: the number of leading γ = 0..n-1 at which the rule extends.
+    The costs are Python floats baked into the step (a tensor built inside it would be a host
+    copy in every replay of a CUDA graph).
 
         c = [1 .9 .5], T = [10 10 12 16]:  P = [1 .9 .45], E(γ) = [0 1 1.9]
         extend?  γ=0: 1·10 > 0·0 yes   γ=1: .9·10 > 1·2 yes   γ=2: .45·12 = 5.4 > 1.9·4 no -> 2
     """
     p = conf.float().cumprod(-1)                                      # P_{γ+1}, γ = 0..n-1
     e_before = torch.cat([torch.zeros_like(p[:, :1]), p.cumsum(-1)[:, :-1]], 1)     # E(γ)
-    t_now, t_step = cost[:-1], cost[1:] - cost[:-1]
-    extend = p * t_now > e_before * t_step                            # [S, n]
+    n = conf.shape[1]
+    extend = torch.stack([p[:, g] * float(cost[g]) > e_before[:, g] * float(cost[g + 1] - cost[g])
+                          for g in range(n)], 1)                      # [S, n]
     return extend.long().cumprod(-1).sum(-1)
 
 
@@ -214,8 +216,7 @@ class LibraSpec(LinearSS):
         if exact_first:                             # d1 is the verifier's own next token
             c = torch.cat([torch.ones_like(c[:, :1]), c[:, 1:]], 1)
         rows = self.run.rows if self.cost_rows == "batch" else S     # static: baked in the step
-        cost = torch.tensor(self.costs_for(rows)[: n + 1], dtype=torch.float32, device=conf.device)
-        gamma = choose_lengths(c, cost)
+        gamma = choose_lengths(c, self.costs_for(rows)[: n + 1])
         return gamma, gamma >= known, rows
 
     def round(self, step, pending, blocks, carry, variant="") -> RoundOutput:

@@ -325,7 +325,6 @@ class RecGuide(LinearSS):
         bonus_guess = drafts.gather(1, (blocks - 1)[:, None])[:, 0]
         slot_idx, slot_cont, wanted, c = self.candidates(step, blocks, margin, prob, alt_prob,
                                                          bonus_guess)
-        shifted = torch.tensor(step.convention.shift, device=dev)
         cont_first = bonus_guess if step.convention.shift else torch.full_like(bonus_guess,
                                                                                step.mask_token_id)
         anchors, firsts, seeded = [], [], []
@@ -333,7 +332,7 @@ class RecGuide(LinearSS):
             idx, cont = slot_idx[:, j], slot_cont[:, j]
             anchors.append(torch.where(cont, blocks, idx + 1))
             firsts.append(torch.where(cont, cont_first, alt[rows, idx]))
-            seeded.append(~cont | shifted)
+            seeded.append(torch.ones_like(cont) if step.convention.shift else ~cont)
         verify_ids = torch.cat([pending[:, None], drafts[:, : n - 1]], dim=1)
         if k_slots == 0:
             target_logits = step.forward(verify_ids, causal_block(n, dev))
@@ -419,8 +418,8 @@ class RecGuide(LinearSS):
                 corr_score = torch.full_like(corr_score, -1.0)
             all_acc = before.gather(1, (blocks - 1)[:, None])               # every draft accepted
             g = prob.gather(1, (blocks - 1)[:, None]) if conv.shift else torch.ones_like(all_acc)
-            cont_score = torch.where(torch.tensor(self.continuation, device=dev), all_acc * g,
-                                     torch.full_like(all_acc, -1.0))
+            # A Python flag, not a tensor: nothing is copied from the host inside a captured step.
+            cont_score = all_acc * g if self.continuation else torch.full_like(all_acc, -1.0)
             score = torch.cat([corr_score, cont_score], 1)                 # [S, n + 1]
             top = score.topk(3, dim=-1)
             cont = top.indices == n
