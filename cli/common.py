@@ -57,6 +57,19 @@ def device_options(fn):
     return fn
 
 
+WEIGHTS_HELP = ("Precision of the big linear weights (attention, MLP, LM head), rounded in place after "
+                "loading: fp32; bf16 (half the bytes a decode step reads); int8 (symmetric per-output-"
+                "channel scales, a quarter). The CPU kernel widens them to fp32 in registers; "
+                "activations, K/V and logits keep --dtype. Every method (and the transformers peers) "
+                "runs on the same rounded weights, so self-speculation stays lossless against AR on them.")
+
+
+def weights_option(fn):
+    """--weights fp32|bf16|int8 (fastspec/weights.py), for the commands that decode or time steps."""
+    return click.option("--weights", type=click.Choice(["fp32", "bf16", "int8"]), default="fp32",
+                        show_default=True, help=WEIGHTS_HELP)(fn)
+
+
 BACKEND_HELP = ("auto: CUDA graphs on a GPU, torch.compile on the CPU. cuda-graph: one captured graph "
                 "per step shape. compile: one torch.compile'd static step per (batch, block, "
                 "layout), fast after a warm-up. eager: plain PyTorch (no warm-up).")

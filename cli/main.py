@@ -11,7 +11,8 @@ import click
 from fastspec.config import FastspecError, parse_int_list
 
 from fastspec.cli.common import (BACKEND_HELP, MODEL_HELP, OneLineErrors, backend_option,  # noqa: E402
-                                 console, device_options, err_console, report_error, user_errors)
+                                 console, device_options, err_console, report_error, user_errors,
+                                 weights_option)
 
 def model_options(fn=None, *, many_backends: bool = False):
     """--model / --adapter / --device / --dtype / --backend. many_backends: --backend takes a comma
@@ -24,6 +25,7 @@ def model_options(fn=None, *, many_backends: bool = False):
                            "the checkpoint's own (draft/, NLD linear_spec_lora/) or the one shipped "
                            "for a built-in model; none: no adapter.")(fn)
     fn = device_options(fn)
+    fn = weights_option(fn)
     if many_backends:
         fn = click.option("--backend", default="auto", show_default=True,
                           help=BACKEND_HELP + " A comma list (compile,eager) runs every method on each "
@@ -118,17 +120,20 @@ def with_recguide_options(methods: str, model: str, branches=None, max_correctio
     return ",".join(out)
 
 
-def load_engine(model: str, dtype: str, backend: str, adapter: str = "auto", device: str = "auto"):
-    """The model on --device (auto: the GPU when there is one) in --dtype, behind an Engine whose
-    steps run on --backend (auto: CUDA graphs on a GPU)."""
+def load_engine(model: str, dtype: str, backend: str, adapter: str = "auto", device: str = "auto",
+                weights: str = "fp32"):
+    """The model on --device (auto: the GPU when there is one) in --dtype, its big linears rounded
+    to --weights, behind an Engine whose steps run on --backend (auto: CUDA graphs on a GPU)."""
     from fastspec.engine import Engine
     from fastspec.model.loader import load_model, resolve_device
+    from fastspec.weights import apply_weight_precision
     if adapter not in ("auto", "none") and not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
         raise FastspecError(f"--adapter {adapter}: no adapter_config.json there")
     resolve_device(device)                         # a bad --device fails before the load
     with err_console.status(f"loading {model} ..."):
         loaded = load_model(model, dtype=dtype, device=device,
                             adapter=None if adapter == "none" else adapter)
+    apply_weight_precision(loaded.model, weights)      # before the Engine: its runner packs them
     return Engine(loaded, backend=backend)
 
 
@@ -159,8 +164,8 @@ def cli():
 @click.option("--prompt", "-p", default=None, help="Answer this one prompt and exit.")
 @click.option("--system", default=None, help="System message (default: the chat template's).")
 @user_errors
-def chat(model, dtype, device, adapter, backend, max_new_tokens, temperature, top_p, top_k, seed, method,
-         block, prompt, system):
+def chat(model, dtype, device, weights, adapter, backend, max_new_tokens, temperature, top_p, top_k, seed,
+         method, block, prompt, system):
     """Chat with the model; tokens stream as they are committed. Ctrl-C stops the current answer."""
     from fastspec.evals.runner import check_blocks
     from fastspec.methods import get_method
@@ -170,7 +175,7 @@ def chat(model, dtype, device, adapter, backend, max_new_tokens, temperature, to
         raise FastspecError("empty prompt: give --prompt some text")
     get_method(method, block=block)          # a bad name or block fails before loading
     check_blocks([method], [block])
-    engine = load_engine(model, dtype, backend, adapter=adapter, device=device)
+    engine = load_engine(model, dtype, backend, adapter=adapter, device=device, weights=weights)
     history: list[dict] = [{"role": "system", "content": system}] if system else []
 
     def answer(user_text: str) -> None:
@@ -255,7 +260,7 @@ def chat(model, dtype, device, adapter, backend, max_new_tokens, temperature, to
 @click.option("--plot", "plot_from", type=click.Path(dir_okay=False), default=None,
               help="Instead of running: draw PNG plots from a results JSON written by --json.")
 @user_errors(interrupted="interrupted: every finished (method, concurrency) run is in the --json file")
-def bench(model, dtype, device, adapter, backend, suite, benches, prompts_file, limit, methods, blocks,
+def bench(model, dtype, device, weights, adapter, backend, suite, benches, prompts_file, limit, methods, blocks,
           concurrency, max_new_tokens, temperature, top_p, top_k, seed, data_dir, peers, no_baseline,
           json_out, plot_from, **recguide):
     """Benchmark decoding methods: τ, tokens/forward, tokens/s, speedup over AR, accuracy.
@@ -283,7 +288,7 @@ def bench(model, dtype, device, adapter, backend, suite, benches, prompts_file, 
     from fastspec.evals.runner import run_bench
     methods = with_recguide_options(methods, model, **recguide)
     run_bench(model=model, dtype=dtype, device=device, adapter=adapter, backend=backend,
-              max_new_tokens=max_new_tokens,
+              weights=weights, max_new_tokens=max_new_tokens,
               temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, suite=suite,
               benches=benches, prompts_file=prompts_file, limit=limit, methods=methods, blocks=blocks,
               concurrency=concurrency, data_dir=data_dir, json_out=json_out, peers=peers,
@@ -293,6 +298,7 @@ def bench(model, dtype, device, adapter, backend, suite, benches, prompts_file, 
 @cli.command()
 @click.option("--model", "-m", default="smollm2-135m", show_default=True, help=MODEL_HELP)
 @device_options
+@weights_option
 @backend_option
 @click.option("--new-tokens", type=int, default=128, show_default=True, help="Tokens generated per run.")
 @click.option("--batch", "batches", default="1,8", show_default=True, help="Comma-separated batch sizes.")
@@ -305,10 +311,12 @@ def bench(model, dtype, device, adapter, backend, suite, benches, prompts_file, 
               help="Size of the tensor summed to measure memory bandwidth.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write results as JSON.")
 @user_errors
-def speed(model, device, dtype, backend, new_tokens, batches, ns, context, no_hf, bandwidth_mib, json_out):
+def speed(model, device, dtype, weights, backend, new_tokens, batches, ns, context, no_hf, bandwidth_mib,
+          json_out):
     """Speed: fastspec AR vs transformers generate, % of the memory-bandwidth floor, T(N)/T(1)."""
     from fastspec.evals.speed import run_speed
-    run_speed(model=model, device=device, dtype=dtype, backend=backend, new_tokens=new_tokens,
+    run_speed(model=model, device=device, dtype=dtype, weights=weights, backend=backend,
+              new_tokens=new_tokens,
               batches=parse_int_list(batches, "--batch"),
               ns=parse_int_list(ns, "--tokens-per-forward"), context=context, hf=not no_hf,
               bandwidth_mib=bandwidth_mib, json_out=json_out, console=console)

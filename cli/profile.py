@@ -9,13 +9,14 @@ import os
 
 import click
 
-from fastspec.cli.common import MODEL_HELP, backend_option, device_options, user_errors
+from fastspec.cli.common import MODEL_HELP, backend_option, device_options, user_errors, weights_option
 from fastspec.config import FastspecError, parse_int_list
 
 
 @click.command()
 @click.option("--model", "-m", default="smollm2-135m", show_default=True, help=MODEL_HELP)
 @device_options
+@weights_option
 @backend_option
 @click.option("--batch", "batches", default="1,4", show_default=True, help="Comma-separated batch sizes.")
 @click.option("--block", "blocks", default="1,4,8,16,32", show_default=True,
@@ -34,7 +35,7 @@ from fastspec.config import FastspecError, parse_int_list
 @click.option("--bandwidth-mib", type=int, default=1024, show_default=True,
               help="Size of the tensor summed to measure memory bandwidth.")
 @user_errors
-def profile(model, device, dtype, backend, batches, blocks, layouts, contexts, reps, out, png, trace,
+def profile(model, device, dtype, weights, backend, batches, blocks, layouts, contexts, reps, out, png, trace,
             bandwidth_mib):
     """Profile one forward's time per shape: table, heatmap, roofline fit, JSON.
 
@@ -44,7 +45,7 @@ def profile(model, device, dtype, backend, batches, blocks, layouts, contexts, r
     """
     from fastspec.cli.common import console, err_console
     from fastspec.graphs.profile import (LAYOUTS, default_path, device_name, fit_summary, ran_backend,
-                                         render_table, run_profile, write_heatmap)
+                                         render_table, run_environment, run_profile, write_heatmap)
     from fastspec.graphs.runner import StepRunner
     from fastspec.files import check_writable
     from fastspec.model.loader import load_model, resolve_device
@@ -64,10 +65,14 @@ def profile(model, device, dtype, backend, batches, blocks, layouts, contexts, r
         check_writable(out, "--out")
     with err_console.status(f"loading {model} ..."):
         loaded = load_model(model, dtype=dtype, device=device)
+    from fastspec.weights import apply_weight_precision
+    apply_weight_precision(loaded.model, weights)
     param = next(loaded.model.parameters())
     device = param.device
-    console.print(f"[dim]{model} on {device_name(device)}, {str(param.dtype).replace('torch.', '')}, "
-                  f"backend {ran_backend(StepRunner(backend), device)}[/]", highlight=False)
+    env = run_environment(device, param.dtype, ran_backend(StepRunner(backend), device), weights)
+    console.print(f"[dim]{model} on {env['device']}, {env['dtype']}, backend {env['backend']}, "
+                  f"weights {env['weights']}, kernel {env['kernel']} (CPU ISA {env['isa']})[/]",
+                  highlight=False)
     out = out or default_path(device_name(device), loaded.name)
     png = png or os.path.splitext(out)[0] + ".png"
     total = len(batch_list) * len(block_list) * len(layout_list) * len(ctx_list)

@@ -158,6 +158,7 @@ def parse_backends(backend: str) -> list[str]:
 def environment(engines, model: str) -> dict:
     """Where the run ran: device name, dtype, the backend(s) that actually ran, versions, commit."""
     from fastspec.graphs.profile import ran_backend, run_environment
+    from fastspec.weights import weight_precision
     first = engines[0]
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -165,7 +166,8 @@ def environment(engines, model: str) -> dict:
     except OSError:
         commit = None
     ran = ",".join(ran_backend(e.runner, e.device) for e in engines)
-    return {**run_environment(first.device, first.dtype, ran), "model": model, "commit": commit,
+    return {**run_environment(first.device, first.dtype, ran, weight_precision(first.model)),
+            "model": model, "commit": commit,
             "adapter": getattr(first.loaded, "adapter_path", None),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
@@ -183,7 +185,7 @@ def _too_long(engine, method: str, block, ids: list[int], p: SamplingParams) -> 
 
 def run_bench(*, model, dtype, backend, device="auto", adapter="auto", max_new_tokens, temperature,
               top_p, top_k, seed, suite, benches, prompts_file, limit, methods, blocks, concurrency,
-              data_dir, json_out, peers, baseline, console: Console, load_engine):
+              data_dir, json_out, peers, baseline, console: Console, load_engine, weights="fp32"):
     from fastspec.draft import has_adapter
     from fastspec.engine import Engine
     from fastspec.evals.prompts import build_messages
@@ -204,7 +206,7 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", max_new_t
     if json_out:
         check_writable(json_out, "--json")
 
-    engine = load_engine(model, dtype, backends[0], adapter=adapter, device=device)
+    engine = load_engine(model, dtype, backends[0], adapter=adapter, device=device, weights=weights)
     # Later backends share the loaded weights; their rows are labelled "ar (eager)", ...
     engines = [(engine, "")] + [(Engine(engine.loaded, backend=b), f" ({b})") for b in backends[1:]]
     for _, method, block in plan:              # before any run: not one error row per request
@@ -212,7 +214,8 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", max_new_t
             raise FastspecError(f"method {method!r} needs a draft adapter and {model} has none: train "
                                 f"one with `fastspec train-drafter --model {model}` or pass --adapter")
     env = environment([e for e, _ in engines], model)
-    console.print(f"[dim]{model} on {env['device']}, {env['dtype']}, backend {env['backend']}[/]",
+    console.print(f"[dim]{model} on {env['device']}, {env['dtype']}, backend {env['backend']}, "
+                  f"weights {env['weights']}, kernel {env['kernel']} (CPU ISA {env['isa']})[/]",
                   highlight=False)
     texts = [engine.render_chat([{"role": "user", "content": it.problem}]) if isinstance(it.problem, str)
              else engine.render_chat(build_messages(it.problem)) for it in items]

@@ -77,13 +77,15 @@ def forward_times(loaded, batch: int, ns: list[int], context: int, backend: str 
 
 
 def run_speed(*, model, new_tokens, batches, ns, context, hf, json_out, console: Console,
-              device="auto", dtype="auto", backend="auto", bandwidth_mib: int = 1024):
+              device="auto", dtype="auto", backend="auto", bandwidth_mib: int = 1024,
+              weights: str = "fp32"):
     from fastspec.config import FastspecError
     from fastspec.engine import Engine
     from fastspec.files import check_writable, write_json
     from fastspec.graphs.profile import (LAYOUTS, check_grid, measure_bandwidth, ran_backend,
                                          run_environment)
     from fastspec.model.loader import load_model, resolve_device
+    from fastspec.weights import BYTES, apply_weight_precision
 
     if new_tokens < 1:
         raise FastspecError(f"--new-tokens must be >= 1, got {new_tokens}")
@@ -92,14 +94,18 @@ def run_speed(*, model, new_tokens, batches, ns, context, hf, json_out, console:
     resolve_device(device)                     # a bad --device fails before the load
     torch.manual_seed(0)
     loaded = load_model(model, dtype=dtype, device=device)
+    apply_weight_precision(loaded.model, weights)     # HF generate gets the same rounded weights
     check_grid(loaded.model, [1, 4], ns, LAYOUTS, [context], backend, 1)   # the T(N) table fits
     engine = Engine(loaded, backend=backend)
     cfg = loaded.cfg
-    env = run_environment(engine.device, engine.dtype, ran_backend(engine.runner, engine.device))
+    env = run_environment(engine.device, engine.dtype, ran_backend(engine.runner, engine.device), weights)
     bw = measure_bandwidth(engine.device, mib=bandwidth_mib) / 1e9
-    weight_bytes = cfg.weight_bytes(engine.dtype.itemsize)
+    # The skinny kernel streams packed bf16 / int8 panels; any other path reads --dtype weights.
+    packed = env["kernel"].startswith("skinny-") and engine.dtype == torch.float32
+    weight_bytes = cfg.weight_bytes(BYTES[weights] if packed else engine.dtype.itemsize)
     floor_ms = weight_bytes / (bw * 1e9) * 1e3
-    console.print(f"model {model} on {env['device']}, {env['dtype']}, backend {env['backend']}: "
+    console.print(f"model {model} on {env['device']}, {env['dtype']}, backend {env['backend']}, "
+                  f"weights {env['weights']}, kernel {env['kernel']} (CPU ISA {env['isa']}): "
                   f"{weight_bytes / 1e6:.0f} MB of weights per step; read bandwidth {bw:.1f} GB/s -> "
                   f"floor {floor_ms:.1f} ms/token at batch 1", highlight=False)
     hf_model = hf_model_from(loaded) if hf else None

@@ -204,3 +204,24 @@ def test_speed_records_where_it_ran(tmp_path):
     assert data["environment"]["backend"] == "eager" and data["environment"]["dtype"] == "float32"
     assert {(r["batch"], r["block"], r["layout"]) for r in data["forward"]} == {
         (b, n, lay) for b in (1, 4) for n in (1, 2) for lay in ("chain", "draft")}
+
+
+def test_bench_on_int8_weights_is_lossless_against_ar_on_the_same_weights(tmp_path, adapter_dir):
+    prompts = write_prompts(tmp_path / "p.jsonl", [f"question {i}" for i in range(2)])
+    result, text, data = bench_json(tmp_path, adapter_dir, "--prompts", prompts, "--method", "ar,linear",
+                                    "--block", "4", "--weights", "int8")
+    assert result.exit_code == 0, text
+    assert "weights int8" in text and "kernel" in text                     # the header says what ran
+    env = data["environment"]
+    assert env["weights"] == "int8" and env["kernel"] and env["isa"]
+    assert all(r["identical"] is True for r in data["records"] if r["method"] == "linear")
+
+
+def test_speed_header_names_weights_and_kernel(tmp_path):
+    out = tmp_path / "s.json"
+    result, text = run("speed", "--model", "tiny-random", "--backend", "eager", "--no-hf", "--batch", "1",
+                       "--new-tokens", "3", "--tokens-per-forward", "1", "--context", "8",
+                       "--bandwidth-mib", "8", "--weights", "bf16", "--json", str(out))
+    assert result.exit_code == 0, text
+    assert "weights bf16" in text
+    assert json.loads(out.read_text())["environment"]["weights"] == "bf16"
