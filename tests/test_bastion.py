@@ -144,7 +144,7 @@ def test_cost_tables_follow_the_profile_per_row_bucket():
 def test_bastion_sampling_matches_ar_sampling(engine):
     """The law of the first three sampled tokens equals AR's (the second is the tree's root
     sample, the third the verifier's draw at the depth-1 node or the next round's root)."""
-    from test_sampling_law import first, null_quantile, tv
+    from helpers import first, null_quantile, tv
     big, small = 2000, 500
 
     def sample(method, n, first_seed):

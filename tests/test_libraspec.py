@@ -15,8 +15,7 @@ from fastspec.methods.base import RunInfo
 from fastspec.methods.libraspec import (H_CAPPED, H_GAMMA, H_ROWS, LibraSpec, choose_lengths,
                                         stop_length)
 from fastspec.sampling import SamplerState, SamplingParams
-from test_recguide import copy_model
-from test_sampling_law import null_quantile, tv
+from helpers import copy_model, null_quantile, tv
 
 # T(γ) = forward_ms(rows, γ + 1) of the shipped CPU profile of SmolLM2-135M, γ = 0..8.
 T_ROWS1 = [19.69, 19.70, 19.71, 19.72, 19.73, 19.73, 19.90, 20.73, 21.56]

@@ -8,31 +8,15 @@ import pytest
 import torch
 
 from fastspec.config import FastspecError
-from fastspec.layout import cache_mask, causal_block
 from fastspec.model import loader
 from fastspec.model.llama import LlamaModel
 from fastspec.model.loader import load_model, tiny_random_config, write_hf_checkpoint
-
-IDS = torch.tensor([[5, 17, 300, 42, 9, 77, 123, 4, 250, 11, 64, 3],
-                    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
+from helpers import IDS, hf_logits, native_logits
 
 
-def native_logits(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
-    """Prefill from an empty cache: positions = write columns = 0..N-1, causal mask."""
-    B, N = ids.shape
-    c = model.cfg
-    k = torch.zeros(c.num_layers, B, c.num_kv_heads, N, c.head_dim, dtype=model.embed.dtype)
-    pos = torch.arange(N).expand(B, N)
-    mask = cache_mask(torch.zeros(B, dtype=torch.long), causal_block(N), N)
-    with torch.no_grad():
-        return model(ids, pos, k, torch.zeros_like(k), pos, mask, torch.arange(B))
 
 
-def hf_logits(directory, ids: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
-    with torch.no_grad():
-        return hf(ids).logits
+
 
 
 def tiny_model(seed=0, **cfg) -> LlamaModel:

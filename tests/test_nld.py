@@ -16,7 +16,7 @@ from fastspec.layout import cache_mask, causal_block
 from fastspec.model.llama import LlamaModel
 from fastspec.model.loader import load_model, tiny_random_config, write_hf_checkpoint
 from fastspec.sampling import SamplingParams
-from test_loader import IDS, hf_logits, native_logits
+from helpers import IDS, hf_logits, native_logits
 
 MASK_ID = 7
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4, "beta_fast": 32.0,

@@ -1,43 +1,22 @@
 """RecGuide: the verify forward pre-drafts the next block for its likely outcomes; a hit skips
 the next draft forward, and the output is still exactly AR's."""
-import math
 import random
 
 import pytest
 import torch
 
-from conftest import random_token_prompts, tiny_drafter, tiny_loaded
+from conftest import random_token_prompts, tiny_drafter
+from helpers import EOS, MASK, FakeStep, copy_model, exact_pair_law, logits_from
 from fastspec.convention import FASTSPEC, NLD
-from fastspec.draft import AdapterConfig, attach_adapter
 from fastspec.engine import Engine, Step
 from fastspec.layout import causal_block
 from fastspec.methods.recguide import (H_COVERED, H_HIT, H_RISKY, H_SLOTS, H_WANTED, RecGuide)
 from fastspec.sampling import SamplerState, SamplingParams
 
-V, MASK, EOS = 10, 10, 9
 
 
-def logits_from(probs: dict[int, float]) -> torch.Tensor:
-    """A row of logits whose softmax puts `probs` on those ids and spreads the rest evenly."""
-    rest = (1 - sum(probs.values())) / (V - len(probs))
-    p = torch.full((V,), rest)
-    for t, q in probs.items():
-        p[t] = q
-    return p.log()
 
 
-class FakeStep:
-    """Hands out prepared logits per forward and records what each forward was given."""
-
-    def __init__(self, outputs, width, convention=FASTSPEC):
-        self.outputs, self.width, self.convention = list(outputs), width, convention
-        self.sampler = SamplerState(1)
-        self.mask_token_id = MASK
-        self.calls = []
-
-    def forward(self, ids, block_mask, adapter_on=None, rel_positions=None):
-        self.calls.append(dict(ids=ids, mask=block_mask, adapter=adapter_on, rel=rel_positions))
-        return self.outputs.pop(0)
 
 
 # Draft of a B = 4 round after seed s = 4: aligned index i proposes d(i+1) (fastspec's shift).
@@ -230,33 +209,6 @@ def test_greedy_recguide_with_mixed_block_sizes_and_bucketing_equals_ar(drafter)
 
 
 # --- a model whose drafts are often right: hits happen -------------------------------------
-def copy_model(vocab=32, scale=3.0):
-    """Each token mostly predicts itself (embeddings nearly orthogonal, attention averages the
-    prefix), and a MASK (zero embedding) predicts what the prefix repeats: drafts are accepted
-    and branches are hit, and sampling still has room to disagree."""
-    t = tiny_loaded(seed=3, layers=1, vocab_size=vocab)
-    m = t.model
-    attach_adapter(m, AdapterConfig(rank=2), seed=3)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        d = m.cfg.hidden_size
-        m.embed.copy_(torch.randn(vocab, d, generator=g) * scale / d ** 0.5)
-        blk = m.layers[0]
-        blk.attn.wqkv.zero_()
-        q = m.cfg.num_heads * m.cfg.head_dim
-        kv = m.cfg.num_kv_heads * m.cfg.head_dim
-        blk.attn.wqkv[q + kv:] = torch.eye(kv, d)
-        blk.attn.wo.zero_()
-        for h in range(m.cfg.num_heads):               # every head reads its kv group's values
-            grp = h // (m.cfg.num_heads // m.cfg.num_kv_heads)
-            blk.attn.wo[grp * m.cfg.head_dim:(grp + 1) * m.cfg.head_dim,
-                        h * m.cfg.head_dim:(h + 1) * m.cfg.head_dim] = torch.eye(m.cfg.head_dim) / 2
-        blk.mlp.w_down.zero_()
-        m.mask_embed.zero_()
-        for norm in (blk.attn_norm, blk.mlp_norm, m.norm):
-            norm.weight.fill_(1.0)
-    m.requires_grad_(False)
-    return t
 
 
 def test_hits_happen_on_a_predictable_model_and_output_stays_ar():
@@ -274,26 +226,6 @@ def test_hits_happen_on_a_predictable_model_and_output_stays_ar():
     assert sum(c.forwards for c in out) < sum(2 * c.rounds + 1 for c in out)
 
 
-def exact_pair_law(engine, prompt, first: int, second: int, depth: int):
-    """P(x_first, x_second) of AR sampling at temperature 1, by enumerating every continuation
-    up to `depth` tokens (the vocab is tiny)."""
-    V = engine.cfg.vocab_size
-    engine.prepare(1, len(prompt) + depth + 1)
-    c = engine.cache
-    law = torch.zeros(V, V)
-
-    def visit(tokens, p):
-        if len(tokens) == depth:
-            law[tokens[first], tokens[second]] += p
-            return
-        ids = prompt + tokens
-        c.lengths.zero_()
-        probs = torch.softmax(engine.forward(torch.tensor([ids]), causal_block(len(ids)))[0, -1], -1)
-        for x in range(V):
-            visit(tokens + [x], p * probs[x].item())
-
-    visit([], 1.0)
-    return law
 
 
 def test_sampled_recguide_preserves_the_target_distribution():

@@ -8,12 +8,11 @@ in both methods and the second is the round's first draft d1, which the seed pre
 (p = q, always accepted); the third is d2, judged against the verifier (p != q) with rejection
 sampling, so the law of the first three tokens is checked as well.
 """
-from collections import Counter
-
 import pytest
 import torch
 
 from conftest import tiny_loaded
+from helpers import first, null_quantile, tv
 from fastspec.draft import AdapterConfig, attach_adapter
 from fastspec.engine import Engine
 from fastspec.sampling import SamplingParams
@@ -44,27 +43,10 @@ def sample(engine, method, n, first_seed, temperature=1.0, **filters) -> list[tu
     return [tuple(c.token_ids[:3]) for c in out]
 
 
-def tv(a: list, b: list) -> float:
-    ca, cb = Counter(a), Counter(b)
-    return 0.5 * sum(abs(ca[k] / len(a) - cb[k] / len(b)) for k in ca.keys() | cb.keys())
 
 
-def null_quantile(a: list, b: list, q: float = 0.999, perms: int = 400) -> float:
-    """The q-quantile of TV between random halves of the pooled samples (law under "same law")."""
-    codes = {x: i for i, x in enumerate(set(a) | set(b))}
-    pooled = torch.tensor([codes[x] for x in a + b])
-    g = torch.Generator().manual_seed(0)
-    dists = []
-    for _ in range(perms):
-        p = pooled[torch.randperm(len(pooled), generator=g)]
-        ha = torch.bincount(p[: len(a)], minlength=len(codes)) / len(a)
-        hb = torch.bincount(p[len(a):], minlength=len(codes)) / len(b)
-        dists.append(0.5 * (ha - hb).abs().sum().item())
-    return torch.tensor(dists).quantile(q).item()
 
 
-def first(samples, k):
-    return [s[:k] for s in samples]
 
 
 @pytest.mark.parametrize("name", list(FILTERS))

@@ -85,8 +85,7 @@ def test_tables_round_trip_through_json(tmp_path):
 
 
 def test_probe_rounds_measure_every_block_from_the_same_state_and_stay_lossless():
-    import torch
-    from test_recguide import copy_model
+    from helpers import copy_model
     from fastspec.calibrate import SurvivalProbe, collect, fit_tables
     from fastspec.engine import Engine
     from fastspec.sampling import SamplingParams

@@ -12,7 +12,7 @@ from fastspec.engine import Engine, Step
 from fastspec.layout import causal_block
 from fastspec.methods.tidar import H_ACCEPTED, H_SEED_HIT, H_VALID, TiDAR
 from fastspec.sampling import SamplerState, SamplingParams
-from test_recguide import FakeStep, copy_model, exact_pair_law, logits_from
+from helpers import FakeStep, copy_model, exact_pair_law, logits_from
 
 V, MASK, EOS, M = 10, 10, 9, 10
 SEED = 4

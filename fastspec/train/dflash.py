@@ -31,10 +31,8 @@ safetensors checkpoint, so an interrupted run resumes.
 from __future__ import annotations
 
 import json
-import math
 import os
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -47,6 +45,7 @@ from fastspec.layout import cache_mask, causal_block
 from fastspec.model.dflash import (DFlashDrafter, default_target_layer_ids, drafter_config_for,
                                    save_dflash)
 from fastspec.train.data import Example
+from fastspec.train.trainer import TrainLoop
 
 CHECKPOINT_FILE = "dflash_checkpoint.safetensors"
 LOG_FILE = "train_log.jsonl"
@@ -235,7 +234,7 @@ def dflash_loss(target, drafter: DFlashDrafter, batch: DFlashBatch, block: int,
 
 
 # --- the trainer ------------------------------------------------------------------------------
-class DFlashTrainer:
+class DFlashTrainer(TrainLoop):
     """Trains a fresh (or resumed) DFlash drafter for `target` on `examples`."""
 
     def __init__(self, target, examples: Sequence[Example], cfg: DFlashTrainConfig,
@@ -280,35 +279,17 @@ class DFlashTrainer:
         starts = lo + (u * (hi - lo + 1)).long().clamp(max=hi - lo)
         return make_dflash_batch(exs, starts).to(self.target.embed.device)
 
-    def lr_at(self, step: int, elapsed_s: float) -> float:
-        cfg = self.cfg
-        frac = elapsed_s / (cfg.minutes * 60)
-        if cfg.max_steps:
-            frac = max(frac, step / cfg.max_steps)
-        frac = min(max(frac, 0.0), 1.0)
-        warm = min(1.0, (step + 1) / max(1, cfg.warmup_steps))
-        return cfg.lr * warm * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+    label = "training DFlash drafter"
 
-    def train_step(self, batch: DFlashBatch | None = None) -> dict:
-        batch = batch if batch is not None else self.sample_batch()
-        lr = self.lr_at(self.step, self.elapsed_s)
-        for group in self.opt.param_groups:
-            group["lr"] = lr
-        loss, metrics = dflash_loss(self.target, self.drafter, batch, self.cfg.block,
-                                    self.cfg.kl_weight, self.cfg.pos_decay)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
-        self.opt.step()
-        self.step += 1
-        out = {k: float(v) for k, v in metrics.items()}
-        out.update(lr=lr, grad_norm=float(gnorm))
-        self.target_tokens += int(out["target_tokens"])
-        return out
+    def loss(self, batch: DFlashBatch):
+        return dflash_loss(self.target, self.drafter, batch, self.cfg.block, self.cfg.kl_weight,
+                           self.cfg.pos_decay)
 
-    def done(self) -> bool:
-        return (self.elapsed_s >= self.cfg.minutes * 60
-                or (self.cfg.max_steps is not None and self.step >= self.cfg.max_steps))
+    def start_fields(self) -> dict:
+        return {"kind": "dflash"}
+
+    def save_output(self) -> Path:
+        return self.save_drafter()
 
     # --- saving ---
     def save_drafter(self, directory=None) -> Path:
@@ -318,9 +299,6 @@ class DFlashTrainer:
         self.drafter.cfg.extra = {**self.meta, "steps": self.step, "target_tokens": self.target_tokens,
                                   "train_seconds": round(self.elapsed_s, 1), "recipe": self.recipe()}
         return save_dflash(self.drafter, d)
-
-    def recipe(self) -> dict:
-        return {k: v for k, v in asdict(self.cfg).items() if k not in ("log_every", "ckpt_every_s")}
 
     def save_checkpoint(self, directory=None) -> Path:
         d = Path(directory) if directory is not None else self.ckpt_dir
@@ -378,76 +356,3 @@ class DFlashTrainer:
         if scalars.get("num_examples") == len(self.examples):
             self.perm, self.cursor = tensors["perm"].long(), int(scalars["cursor"])
         return True
-
-    def _log(self, row: dict) -> None:
-        if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.log_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-
-    def train(self, resume: bool = True, console=None, progress: bool = True) -> dict:
-        """Run until the time budget (or max_steps); checkpoint, log and drafter along the way.
-        Returns the same summary as DraftTrainer.train."""
-        resumed = self.load_checkpoint() if resume else False
-        if not resume and self.log_path is not None and self.log_path.is_file():
-            self.log_path.unlink()
-        self._log({"event": "resume" if resumed else "start", "kind": "dflash", "step": self.step,
-                   "examples": len(self.examples), "recipe": self.recipe(),
-                   **{k: self.meta[k] for k in ("command", "argv", "data") if k in self.meta}})
-        cfg = self.cfg
-        bar = task = None
-        if progress:
-            from fastspec.train.trainer import _train_progress
-            bar = _train_progress(console)
-            bar.start()
-            task = bar.add_task("training DFlash drafter", total=cfg.minutes * 60,
-                                completed=min(self.elapsed_s, cfg.minutes * 60), step=self.step,
-                                loss=float("nan"), tau=float("nan"), tps=0.0, sps=0.0, eta="?")
-        acc: dict[str, float] = {}
-        n_acc, last_ckpt, log_t = 0, time.perf_counter(), self.elapsed_s
-        run_steps, run_tokens, run_time = 0, 0, 0.0
-        ema = {}
-        try:
-            while not self.done():
-                t0 = time.perf_counter()
-                m = self.train_step()
-                dt = time.perf_counter() - t0
-                self.elapsed_s += dt
-                run_steps, run_tokens, run_time = run_steps + 1, run_tokens + int(m["target_tokens"]), run_time + dt
-                for k, v in m.items():
-                    acc[k] = acc.get(k, 0.0) + v
-                n_acc += 1
-                for k in ("loss", "accept", "tau"):
-                    ema[k] = m[k] if k not in ema else 0.9 * ema[k] + 0.1 * m[k]
-                if self.step % cfg.log_every == 0 or self.done():
-                    row = {k: round(v / n_acc, 5) for k, v in acc.items() if k != "target_tokens"}
-                    self._log({"step": self.step, "target_tokens": self.target_tokens,
-                               "elapsed_s": round(self.elapsed_s, 2),
-                               "step_s": round((self.elapsed_s - log_t) / n_acc, 3), **row})
-                    acc, n_acc, log_t = {}, 0, self.elapsed_s
-                if bar is not None:
-                    per = run_time / run_steps
-                    left = cfg.minutes * 60 - self.elapsed_s
-                    if cfg.max_steps:
-                        left = min(left, (cfg.max_steps - self.step) * per)
-                    from fastspec.train.trainer import _fmt_s
-                    bar.update(task, completed=min(self.elapsed_s, cfg.minutes * 60), step=self.step,
-                               loss=ema["loss"], tau=ema["tau"], tps=run_tokens / run_time, sps=per,
-                               eta=_fmt_s(max(left, 0.0)))
-                if self.ckpt_dir is not None and time.perf_counter() - last_ckpt >= cfg.ckpt_every_s:
-                    self.save_checkpoint()
-                    if self.out_dir is not None:
-                        self.save_drafter()
-                    last_ckpt = time.perf_counter()
-        finally:
-            if bar is not None:
-                bar.stop()
-            if self.ckpt_dir is not None:
-                self.save_checkpoint()
-            if self.out_dir is not None:
-                self.save_drafter()
-        return {"steps": self.step, "target_tokens": self.target_tokens, "elapsed_s": self.elapsed_s,
-                "resumed": resumed, "run_steps": run_steps, "run_target_tokens": run_tokens,
-                "run_seconds": run_time, "seconds_per_step": run_time / max(run_steps, 1),
-                "target_tokens_per_s": run_tokens / max(run_time, 1e-9),
-                "loss": ema.get("loss"), "accept": ema.get("accept"), "tau": ema.get("tau")}

@@ -355,8 +355,151 @@ def draft_loss(model, batch: Batch, kl_weight: float = 0.5) -> tuple[torch.Tenso
     return loss, metrics
 
 
+# --- the loop both trainers share ------------------------------------------------------------
+class TrainLoop:
+    """The time-budgeted optimisation loop of a drafter trainer: cosine learning rate with warm-up,
+    gradient clipping, a JSONL log (one line per `log_every` steps, every (re)start a line of its
+    own), a rich progress bar, and periodic atomic checkpoints plus the trained artifact.
+
+    A trainer sets cfg (minutes, max_steps, lr, warmup_steps, min_lr_ratio, grad_clip, log_every,
+    ckpt_every_s), opt, params, step, elapsed_s, target_tokens, log_path, ckpt_dir, out_dir, meta
+    and defines loss(batch) -> (loss, metrics with "target_tokens", "loss", "accept", "tau"),
+    sample_batch(), save_checkpoint(), load_checkpoint() -> bool, save_output() and
+    start_fields() (what its start line records)."""
+
+    label = "training drafter"
+
+    def lr_at(self, step: int, elapsed_s: float) -> float:
+        cfg = self.cfg
+        frac = elapsed_s / (cfg.minutes * 60)
+        if cfg.max_steps:
+            frac = max(frac, step / cfg.max_steps)
+        frac = min(max(frac, 0.0), 1.0)
+        warm = min(1.0, (step + 1) / max(1, cfg.warmup_steps))
+        cos = cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+        return cfg.lr * warm * cos
+
+    def train_step(self, batch=None) -> dict:
+        batch = batch if batch is not None else self.sample_batch()
+        lr = self.lr_at(self.step, self.elapsed_s)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        loss, metrics = self.loss(batch)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        self.opt.step()
+        self.step += 1
+        out = {k: float(v) for k, v in metrics.items()}
+        out.update(lr=lr, grad_norm=float(gnorm))
+        self.target_tokens += int(out["target_tokens"])
+        return out
+
+    def done(self) -> bool:
+        return (self.elapsed_s >= self.cfg.minutes * 60
+                or (self.cfg.max_steps is not None and self.step >= self.cfg.max_steps))
+
+    def recipe(self) -> dict:
+        """The settings that shape the result (the config less logging cadence)."""
+        return {k: v for k, v in asdict(self.cfg).items() if k not in ("log_every", "ckpt_every_s")}
+
+    def _log(self, row: dict) -> None:
+        if self.log_path is None:
+            return
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def _trim_log(self) -> None:
+        """After a resume, drop log lines past the checkpoint's step (they will be redone)."""
+        if self.log_path is None or not self.log_path.is_file():
+            return
+        keep = []
+        for line in self.log_path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= self.step:
+                    keep.append(line)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+        self.log_path.write_text("".join(l + "\n" for l in keep))
+
+    def _save_all(self) -> None:
+        if self.ckpt_dir is not None:
+            self.save_checkpoint()
+        if self.out_dir is not None:
+            self.save_output()
+
+    def train(self, resume: bool = True, console=None, progress: bool = True) -> dict:
+        """Run until the time budget (or max_steps); checkpoints, log and result along the way."""
+        resumed = False
+        if resume:
+            resumed = self.load_checkpoint()
+            self._trim_log()
+        elif self.log_path is not None and self.log_path.is_file():
+            self.log_path.unlink()
+        cfg = self.cfg
+        # Every (re)start is a line of the log: what ran, on what, from where.
+        self._log({"event": "resume" if resumed else "start", "step": self.step,
+                   "target_tokens": self.target_tokens, **self.start_fields(),
+                   **{k: self.meta[k] for k in ("command", "argv", "data", "init_adapter")
+                      if k in self.meta},
+                   "examples": len(self.examples), "recipe": self.recipe()})
+        budget = cfg.minutes * 60
+        bar = task = None
+        if progress:
+            bar = _train_progress(console)
+            bar.start()
+            task = bar.add_task(self.label, total=budget, completed=min(self.elapsed_s, budget),
+                                step=self.step, loss=float("nan"), tau=float("nan"), tps=0.0,
+                                sps=0.0, eta="?")
+        acc: dict[str, float] = {}
+        seen: dict[str, int] = {}
+        n_acc, last_ckpt, log_t = 0, time.perf_counter(), self.elapsed_s
+        run_steps, run_tokens, run_time = 0, 0, 0.0
+        ema: dict[str, float] = {}
+        try:
+            while not self.done():
+                t0 = time.perf_counter()
+                m = self.train_step()
+                dt = time.perf_counter() - t0
+                self.elapsed_s += dt
+                run_steps, run_tokens, run_time = run_steps + 1, run_tokens + int(m["target_tokens"]), run_time + dt
+                for k, v in m.items():
+                    acc[k], seen[k] = acc.get(k, 0.0) + v, seen.get(k, 0) + 1
+                n_acc += 1
+                for k in ("loss", "accept", "tau"):
+                    ema[k] = m[k] if k not in ema else 0.9 * ema[k] + 0.1 * m[k]
+                if self.step % cfg.log_every == 0 or self.done():
+                    row = {k: round(v / seen[k], 5) for k, v in acc.items() if k != "target_tokens"}
+                    self._log({"step": self.step, "target_tokens": self.target_tokens,
+                               "elapsed_s": round(self.elapsed_s, 2),
+                               "step_s": round((self.elapsed_s - log_t) / n_acc, 3), **row})
+                    log_t = self.elapsed_s
+                    acc, seen, n_acc = {}, {}, 0
+                if bar is not None:
+                    per_step = run_time / run_steps
+                    left = budget - self.elapsed_s
+                    if cfg.max_steps:
+                        left = min(left, (cfg.max_steps - self.step) * per_step)
+                    bar.update(task, completed=min(self.elapsed_s, budget), step=self.step,
+                               loss=ema["loss"], tau=ema["tau"], tps=run_tokens / run_time,
+                               sps=per_step, eta=_fmt_s(max(left, 0.0)))
+                if self.ckpt_dir is not None and time.perf_counter() - last_ckpt >= cfg.ckpt_every_s:
+                    self._save_all()
+                    last_ckpt = time.perf_counter()
+        finally:
+            if bar is not None:
+                bar.stop()
+            self._save_all()
+        return {"steps": self.step, "target_tokens": self.target_tokens, "elapsed_s": self.elapsed_s,
+                "resumed": resumed, "run_steps": run_steps, "run_target_tokens": run_tokens,
+                "run_seconds": run_time, "seconds_per_step": run_time / max(run_steps, 1),
+                "target_tokens_per_s": run_tokens / max(run_time, 1e-9),
+                "loss": ema.get("loss"), "accept": ema.get("accept"), "tau": ema.get("tau")}
+
+
 # --- the trainer ----------------------------------------------------------------------------
-class DraftTrainer:
+class DraftTrainer(TrainLoop):
     """Trains a fresh (or resumed) draft adapter on `examples`; see the module doc for the recipe.
     `init_adapter`: a saved adapter directory to start from (warm start) instead of a fresh
     adapter; a checkpoint, when resuming, takes precedence over it."""
@@ -446,36 +589,14 @@ class DraftTrainer:
         return make_batch(exs, starts, keep, B, self.mask_id, cfg.pos_decay,
                           self.max_position, sizes, self.conv).to(self.device)
 
-    # --- optimization ---
-    def lr_at(self, step: int, elapsed_s: float) -> float:
-        cfg = self.cfg
-        frac = elapsed_s / (cfg.minutes * 60)
-        if cfg.max_steps:
-            frac = max(frac, step / cfg.max_steps)
-        frac = min(max(frac, 0.0), 1.0)
-        warm = min(1.0, (step + 1) / max(1, cfg.warmup_steps))
-        cos = cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
-        return cfg.lr * warm * cos
+    def loss(self, batch: Batch):
+        return draft_loss(self.model, batch, self.cfg.kl_weight)
 
-    def train_step(self, batch: Batch | None = None) -> dict:
-        batch = batch if batch is not None else self.sample_batch()
-        lr = self.lr_at(self.step, self.elapsed_s)
-        for group in self.opt.param_groups:
-            group["lr"] = lr
-        loss, metrics = draft_loss(self.model, batch, self.cfg.kl_weight)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
-        self.opt.step()
-        self.step += 1
-        out = {k: float(v) for k, v in metrics.items()}
-        out.update(lr=lr, grad_norm=float(gnorm))
-        self.target_tokens += int(out["target_tokens"])
-        return out
+    def start_fields(self) -> dict:
+        return {"convention": self.conv.to_dict()}
 
-    def done(self) -> bool:
-        return (self.elapsed_s >= self.cfg.minutes * 60
-                or (self.cfg.max_steps is not None and self.step >= self.cfg.max_steps))
+    def save_output(self) -> Path:
+        return self.save_adapter()
 
     # --- checkpoints ---
     def state_scalars(self) -> dict:
@@ -562,105 +683,6 @@ class DraftTrainer:
                                  "train_seconds": round(self.elapsed_s, 1), "recipe": self.recipe()}
         save_adapter(self.model, str(d))
         return d
-
-    def recipe(self) -> dict:
-        """The settings that shape the adapter (TrainConfig less logging cadence)."""
-        return {k: v for k, v in asdict(self.cfg).items() if k not in ("log_every", "ckpt_every_s")}
-
-    # --- the loop ---
-    def _log(self, row: dict) -> None:
-        if self.log_path is None:
-            return
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    def _trim_log(self) -> None:
-        """After a resume, drop log lines past the checkpoint's step (they will be redone)."""
-        if self.log_path is None or not self.log_path.is_file():
-            return
-        keep = []
-        for line in self.log_path.read_text().splitlines():
-            try:
-                if json.loads(line)["step"] <= self.step:
-                    keep.append(line)
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue
-        self.log_path.write_text("".join(l + "\n" for l in keep))
-
-    def train(self, resume: bool = True, console=None, progress: bool = True) -> dict:
-        """Run until the time budget (or max_steps); checkpoints, log and adapter along the way."""
-        resumed = False
-        if resume:
-            resumed = self.load_checkpoint()
-            self._trim_log()
-        elif self.log_path is not None and self.log_path.is_file():
-            self.log_path.unlink()
-        cfg = self.cfg
-        # Every (re)start is a line of the log: what ran, on what, from where.
-        self._log({"event": "resume" if resumed else "start", "step": self.step,
-                   "target_tokens": self.target_tokens, "convention": self.conv.to_dict(),
-                   **{k: self.meta[k] for k in ("command", "argv", "data", "init_adapter")
-                      if k in self.meta},
-                   "examples": len(self.examples), "recipe": self.recipe()})
-        budget = cfg.minutes * 60
-        bar = task = None
-        if progress:
-            bar = _train_progress(console)
-            bar.start()
-            task = bar.add_task("training drafter", total=budget, completed=min(self.elapsed_s, budget),
-                                step=self.step, loss=float("nan"), tau=float("nan"), tps=0.0,
-                                sps=0.0, eta="?")
-        acc: dict[str, float] = {}
-        seen: dict[str, int] = {}
-        n_acc, last_ckpt, log_t = 0, time.perf_counter(), self.elapsed_s
-        run_steps, run_tokens, run_time = 0, 0, 0.0
-        ema_loss = ema_accept = ema_tau = None
-        try:
-            while not self.done():
-                t0 = time.perf_counter()
-                m = self.train_step()
-                dt = time.perf_counter() - t0
-                self.elapsed_s += dt
-                run_steps, run_tokens, run_time = run_steps + 1, run_tokens + int(m["target_tokens"]), run_time + dt
-                for k, v in m.items():
-                    acc[k], seen[k] = acc.get(k, 0.0) + v, seen.get(k, 0) + 1
-                n_acc += 1
-                ema_loss = m["loss"] if ema_loss is None else 0.9 * ema_loss + 0.1 * m["loss"]
-                ema_accept = m["accept"] if ema_accept is None else 0.9 * ema_accept + 0.1 * m["accept"]
-                ema_tau = m["tau"] if ema_tau is None else 0.9 * ema_tau + 0.1 * m["tau"]
-                if self.step % cfg.log_every == 0 or self.done():
-                    row = {k: round(v / seen[k], 5) for k, v in acc.items() if k != "target_tokens"}
-                    self._log({"step": self.step, "target_tokens": self.target_tokens,
-                               "elapsed_s": round(self.elapsed_s, 2),
-                               "step_s": round((self.elapsed_s - log_t) / n_acc, 3), **row})
-                    log_t = self.elapsed_s
-                    acc, seen, n_acc = {}, {}, 0
-                if bar is not None:
-                    per_step = run_time / run_steps
-                    left = budget - self.elapsed_s
-                    if cfg.max_steps:
-                        left = min(left, (cfg.max_steps - self.step) * per_step)
-                    bar.update(task, completed=min(self.elapsed_s, budget), step=self.step,
-                               loss=ema_loss, tau=ema_tau, tps=run_tokens / run_time,
-                               sps=per_step, eta=_fmt_s(max(left, 0.0)))
-                if self.ckpt_dir is not None and time.perf_counter() - last_ckpt >= cfg.ckpt_every_s:
-                    self.save_checkpoint()
-                    if self.out_dir is not None:
-                        self.save_adapter()
-                    last_ckpt = time.perf_counter()
-        finally:
-            if bar is not None:
-                bar.stop()
-            if self.ckpt_dir is not None:
-                self.save_checkpoint()
-            if self.out_dir is not None:
-                self.save_adapter()
-        return {"steps": self.step, "target_tokens": self.target_tokens, "elapsed_s": self.elapsed_s,
-                "resumed": resumed, "run_steps": run_steps, "run_target_tokens": run_tokens,
-                "run_seconds": run_time, "seconds_per_step": run_time / max(run_steps, 1),
-                "target_tokens_per_s": run_tokens / max(run_time, 1e-9),
-                "loss": ema_loss, "accept": ema_accept, "tau": ema_tau}
 
 
 def _fmt_s(s: float) -> str:
