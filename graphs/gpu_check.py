@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="auto", choices=("auto", "cuda-graph", "compile"),
                     help="the compiled path checked against eager (auto: CUDA graphs on a GPU)")
     ap.add_argument("--compiler", default=None,
-                    help="torch.compile backend under it (default fastspec's; aot_eager for a quick dry run)")
+                    help="torch.compile backend under it (default fastspec's; aot_eager for a quick dry run; none: capture the eager kernels)")
     ap.add_argument("--check-dtype", default="float32", help="dtype of the round checks")
     ap.add_argument("--dtype", default="auto", help="dtype of the profile (auto: bf16 on a GPU)")
     ap.add_argument("--tolerance", type=float, default=None,
