@@ -85,6 +85,76 @@ def _rewrite_kv_writes(gm: torch.fx.GraphModule, inputs: set) -> int:
     return count
 
 
+def _is_linear(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (F.linear, torch._C._nn.linear)
+
+
+def _linear_args(node: torch.fx.Node):
+    """(x, weight, bias) of an F.linear node."""
+    args = list(node.args) + [None] * (3 - len(node.args))
+    return args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
+
+
+def _to_skinny(graph: torch.fx.Graph, node: torch.fx.Node, kernel, panels, scales, out_features: int) -> None:
+    """Replace the F.linear `node` by the kernel's skinny_linear on packed `panels` (+ bias)."""
+    x, _, bias = _linear_args(node)
+    with graph.inserting_before(node):
+        y = graph.call_function(kernel.ops.skinny_linear.default, (x, panels, scales, out_features))
+        if bias is not None:
+            y = graph.call_function(torch.add, (y, bias))
+    node.replace_all_uses_with(y)
+    graph.erase_node(node)
+
+
+def _copy_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    graph, remap = torch.fx.Graph(), {}
+    graph.output(graph.graph_copy(gm.graph, remap))
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _rewrite_regions(gm: torch.fx.GraphModule, packed_for, packed_inputs, kernel) -> int:
+    """Skinny GEMMs inside nested compile regions (one decoder layer traced once, called per layer).
+
+    A region's weights are its inputs, so its body cannot name one packed weight. Its F.linear on
+    input j becomes skinny_linear on two new inputs (panels, scales), and every call passes the
+    panels of the weight it passes at j:
+        invoke_subgraph(layer, x, w0_layer3, ...) -> invoke_subgraph(layer', x, w0_layer3, ..., P(w0_layer3), S(w0_layer3))
+    Only when every call's weight at j is packed with the same out features. Returns the count.
+    """
+    calls: dict[str, list[torch.fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph:
+            calls.setdefault(node.args[0].target, []).append(node)
+    count = 0
+    for name, sites in calls.items():
+        sub = _copy_module(getattr(gm, name))    # dynamo keeps its own region unchanged
+        inputs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        for node in list(sub.graph.nodes):
+            if not _is_linear(node) or (w := _linear_args(node)[1]) not in inputs:
+                continue
+            j = inputs.index(w)
+            packs = [packed_for(site.args[2 + j]) for site in sites]
+            if any(p is None for p in packs) or len({(p.out_features, p.scales is None) for p in packs}) != 1:
+                continue
+            with sub.graph.inserting_after(inputs[-1]):
+                panels = sub.graph.placeholder(f"fastspec_panels_{count}")
+            inputs.append(panels)
+            scales = None
+            if packs[0].scales is not None:
+                with sub.graph.inserting_after(panels):
+                    scales = sub.graph.placeholder(f"fastspec_scales_{count}")
+                inputs.append(scales)
+            _to_skinny(sub.graph, node, kernel, panels, scales, packs[0].out_features)
+            for site, pw in zip(sites, packs):
+                p, sc = packed_inputs(pw)
+                site.args = (*site.args, p) + (() if sc is None else (sc,))
+            count += 1
+        sub.graph.lint()
+        sub.recompile()
+        setattr(gm, name, sub)
+    return count
+
+
 def _skinny_backend(packed: dict[int, Packed], kernel: "kernels.Kernel | None" = None):
     """The compile backend: `packed` weights (from `_pack_model(model, kernel)`) go through
     `kernel`'s skinny_linear; with no kernel (or nothing packed) only the K/V writes change."""
@@ -128,27 +198,21 @@ def _skinny_backend(packed: dict[int, Packed], kernel: "kernels.Kernel | None" =
             last[0] = node
             return node
 
-        for node in list(gm.graph.nodes):
-            if kernel is None or node.op != "call_function" or node.target not in (F.linear, torch._C._nn.linear):
-                continue
-            args = list(node.args) + [None] * (3 - len(node.args))
-            x, w = args[0], node.kwargs.get("weight", args[1])
-            bias = node.kwargs.get("bias", args[2])
-            key = id(weight_of(w))
-            if key not in packed:
-                continue
-            pw = packed[key]
+        def packed_for(w) -> Packed | None:
+            return packed.get(id(weight_of(w))) if kernel is not None else None
+
+        def packed_inputs(pw: Packed) -> tuple[torch.fx.Node, torch.fx.Node | None]:
+            key = id(pw)
             if key not in extra_nodes:
                 extra_nodes[key] = (graph_input(pw.panels),
                                     None if pw.scales is None else graph_input(pw.scales))
-            panels_node, scales_node = extra_nodes[key]
-            with gm.graph.inserting_before(node):
-                y = gm.graph.call_function(kernel.ops.skinny_linear.default,
-                                           (x, panels_node, scales_node, pw.out_features))
-                if bias is not None:
-                    y = gm.graph.call_function(torch.add, (y, bias))
-            node.replace_all_uses_with(y)
-            gm.graph.erase_node(node)
+            return extra_nodes[key]
+
+        for node in list(gm.graph.nodes):
+            if _is_linear(node) and (pw := packed_for(_linear_args(node)[1])) is not None:
+                _to_skinny(gm.graph, node, kernel, *packed_inputs(pw), pw.out_features)
+        if kernel is not None:
+            _rewrite_regions(gm, packed_for, packed_inputs, kernel)
         _rewrite_kv_writes(gm, set(placeholders))
         # No eliminate_dead_code() here: it drops in-place ops whose result is unused
         # (`t.scatter_(...)` on a tensor read later), silently changing the step's outputs.

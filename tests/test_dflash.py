@@ -192,8 +192,8 @@ def test_captured_layers_are_the_hf_hidden_states():
     assert torch.equal(plain, logits)
     x = m.embed[ids]
     outs = []
-    for blk in m.layers:
-        x = blk(x, m.rope_cos[pos], m.rope_sin[pos], k, k.clone(), pos, mask, torch.arange(2), None)
+    for i, blk in enumerate(m.layers):
+        x = blk(x, m.rope_cos[pos], m.rope_sin[pos], k[i], k[i].clone(), pos, mask, torch.arange(2), None)
         outs.append(x)
     assert torch.allclose(hidden, torch.cat([m.norm(outs[2]), outs[0]], -1), atol=1e-5)
 

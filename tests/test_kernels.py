@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import tiny_drafter, tiny_loaded, random_token_prompts
 from fastspec.config import FastspecError
@@ -305,3 +306,61 @@ def test_compiled_linear_equals_ar_with_int8_weights_through_the_kernel():
     packed = engine.runner._packed
     assert packed and all(pw.panels.dtype == torch.int8 for pw in packed.values())
     assert [c.token_ids for c in lin] == [c.token_ids for c in ar] == [c.token_ids for c in eager_ar]
+
+
+# --- regional compilation -----------------------------------------------------------------------
+def _compiled_graph(monkeypatch, regional: str, layers: int = 3):
+    """Compile one tiny-model step through fastspec's backend with inductor swapped for a recorder:
+    returns (the FX graph the backend hands inductor, the step's logits, eager logits, compiles)."""
+    import torch._inductor.compile_fx as cfx
+    from fastspec.graphs.keys import GraphKey
+    from fastspec.graphs.profile import forward_inputs
+    from fastspec.graphs.runner import StepRunner
+    seen = []
+
+    def record(gm, example_inputs, **_):
+        seen.append(gm)
+        return gm.forward                       # run the rewritten graph as it is (no inductor)
+
+    monkeypatch.setattr(cfx, "compile_fx", record)
+    monkeypatch.setenv("FASTSPEC_REGIONAL", regional)
+    t = tiny_loaded(seed=2, layers=layers)
+    ids, pos, k, v, cols, mask, slots, _ = forward_inputs(t.cfg, 2, 3, "chain", 5, "cpu", torch.float32)
+    with torch.no_grad():
+        ref = t.model(ids, pos, k.clone(), v.clone(), cols, mask, slots)
+    runner = StepRunner("compile", model=t.model)
+    out, = runner.run(GraphKey(2, 3, "chain"), t.model.forward, ids, pos, k, v, cols, mask, slots,
+                      static=(2, 3))
+    return seen[-1], out, ref, runner.total_compiles()
+
+
+def _calls(graph: torch.fx.Graph, target) -> list:
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is target]
+
+
+@needs_kernel
+def test_regional_compilation_traces_one_layer_and_reuses_it(monkeypatch):
+    """Every decoder layer calls the same compiled region (one trace, one build, no recompiles
+    across layers); the region's four big GEMMs run on the packed panels of the layer calling it."""
+    gm, out, ref, compiles = _compiled_graph(monkeypatch, "1", layers=3)
+    regions = _calls(gm.graph, torch.ops.higher_order.invoke_subgraph)
+    assert len(regions) == 3 and len({r.args[0].target for r in regions}) == 1
+    assert compiles == 1
+    body = getattr(gm, regions[0].args[0].target)
+    skinny = kernels.active().ops.skinny_linear.default
+    assert len(_calls(body.graph, skinny)) == 4
+    assert not _calls(body.graph, F.linear) and not _calls(body.graph, torch._C._nn.linear)
+    assert len(_calls(gm.graph, skinny)) == 1                      # the LM head, outside the layers
+    # Each layer passes its own panels: 3 layers x 4 weights + the head, all different tensors.
+    panels = {id(r.args[-4:][i]) for r in regions for i in range(4)}
+    assert len(panels) == 12
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_whole_step_compilation_is_still_available(monkeypatch):
+    """FASTSPEC_REGIONAL=0 traces every layer inline: no regions, every big GEMM packed in place."""
+    gm, out, ref, _ = _compiled_graph(monkeypatch, "0", layers=2)
+    assert not _calls(gm.graph, torch.ops.higher_order.invoke_subgraph)
+    assert len(_calls(gm.graph, kernels.active().ops.skinny_linear.default)) == 4 * 2 + 1
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

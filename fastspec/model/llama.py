@@ -10,6 +10,8 @@ of 7: on CPU the skinny-GEMM overhead per call is what multi-token forwards pay 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -66,7 +68,10 @@ class Attention(nn.Module):
             return None
         return self.lora[name](x, gate)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, write_cols, mask, slots, adapter_gate, q_scale=None):
+    def forward(self, x, cos, sin, k_layer, v_layer, write_cols, mask, slots, adapter_gate, q_scale=None):
+        """k_layer, v_layer: this layer's cache [slots, kv_heads, max_len, head_dim] (a view of the
+        model's cache, passed in rather than indexed by layer number here, so that every layer
+        runs the same code and one compiled region serves them all)."""
         B, N, _ = x.shape
         qkv = F.linear(x, self.wqkv, self.bqkv)
         q, k, v = qkv.split(self.split, dim=-1)
@@ -81,11 +86,11 @@ class Attention(nn.Module):
 
         # Write the new K/V at columns write_cols[b, i] of each row's slot: [B, N] indices
         # against cache [slots, kv_heads, max_len, head_dim] -> values laid out [B, N, kv, D].
-        k_cache[self.layer][slots[:, None], :, write_cols] = k.to(k_cache.dtype)
-        v_cache[self.layer][slots[:, None], :, write_cols] = v.to(v_cache.dtype)
+        k_layer[slots[:, None], :, write_cols] = k.to(k_layer.dtype)
+        v_layer[slots[:, None], :, write_cols] = v.to(v_layer.dtype)
         ctx = mask.shape[-1]
-        keys = k_cache[self.layer][:, :, :ctx].index_select(0, slots)
-        values = v_cache[self.layer][:, :, :ctx].index_select(0, slots)
+        keys = k_layer[:, :, :ctx].index_select(0, slots)
+        values = v_layer[:, :, :ctx].index_select(0, slots)
 
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
@@ -117,10 +122,28 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, write_cols, mask, slots, adapter_gate, q_scale=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, write_cols, mask, slots,
+    def forward(self, x, cos, sin, k_layer, v_layer, write_cols, mask, slots, adapter_gate, q_scale=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, k_layer, v_layer, write_cols, mask, slots,
                           adapter_gate, q_scale)
         return x + self.mlp(self.mlp_norm(x))
+
+
+def regional_compile() -> bool:
+    """Whether torch.compile sees each decoder layer as one nested compile region
+    (FASTSPEC_REGIONAL=0 turns it off: the whole step is then traced and compiled layer by layer)."""
+    return os.environ.get("FASTSPEC_REGIONAL", "1") != "0"
+
+
+@torch.compiler.nested_compile_region
+def _block_region(block: Block, *args):
+    # Regional compilation: dynamo traces the first layer into a subgraph and reuses it for the
+    # others (their weights and cache views are its inputs), so inductor lowers and builds one
+    # layer per step shape instead of all of them. Outside torch.compile it is a plain call.
+    return block(*args)
+
+
+def _block_call(block: Block, *args):
+    return block(*args)
 
 
 class LlamaModel(nn.Module):
@@ -192,8 +215,9 @@ class LlamaModel(nn.Module):
         gate = None if adapter_on is None else adapter_on[..., None].to(x.dtype)
         captured: dict[int, torch.Tensor] = {}
         last = len(self.layers) - 1
+        run_block = _block_region if regional_compile() else _block_call
         for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, k_cache, v_cache, write_cols, mask, slots, gate, q_scale)
+            x = run_block(block, x, cos, sin, k_cache[i], v_cache[i], write_cols, mask, slots, gate, q_scale)
             if capture is not None and i in capture:
                 captured[i] = self.norm(x) if i == last else x
         if logits_index is not None:
