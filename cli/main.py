@@ -251,8 +251,10 @@ def chat(model, dtype, device, weights, adapter, backend, max_new_tokens, temper
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None, envvar="FASTSPEC_DATA",
               help="Folder of benchmark jsonl files (env FASTSPEC_DATA).")
 @click.option("--peers", default=None,
-              help="Also run transformers on the same weights and prompts: hf (generate), "
-                   "hf-pld (prompt-lookup assisted generation); comma-separated.")
+              help="Also run peers on the same weights and prompts, greedy, batch 1: hf (transformers "
+                   "generate), hf-pld (prompt-lookup assisted generation), llama.cpp (llama-cpp-python "
+                   "on a GGUF of the weights at their precision; pip install 'fastspec[llamacpp]'); "
+                   "comma-separated.")
 @click.option("--no-baseline", is_flag=True, help="Do not run AR as the reference.")
 @recguide_options
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
@@ -307,18 +309,23 @@ def bench(model, dtype, device, weights, adapter, backend, suite, benches, promp
 @click.option("--context", type=int, default=256, show_default=True,
               help="Committed context length for the T(N) table.")
 @click.option("--no-hf", is_flag=True, help="Skip the transformers generate baseline.")
+@click.option("--peers", default=None,
+              help="llama.cpp: also time llama-cpp-python on a GGUF of the same weights at their "
+                   "precision (greedy, same token ids, prompts one after another); "
+                   "pip install 'fastspec[llamacpp]'.")
 @click.option("--bandwidth-mib", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Size of the tensor summed to measure memory bandwidth.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write results as JSON.")
 @user_errors
-def speed(model, device, dtype, weights, backend, new_tokens, batches, ns, context, no_hf, bandwidth_mib,
-          json_out):
+def speed(model, device, dtype, weights, backend, new_tokens, batches, ns, context, no_hf, peers,
+          bandwidth_mib, json_out):
     """Speed: fastspec AR vs transformers generate, % of the memory-bandwidth floor, T(N)/T(1)."""
     from fastspec.evals.speed import run_speed
     run_speed(model=model, device=device, dtype=dtype, weights=weights, backend=backend,
               new_tokens=new_tokens,
               batches=parse_int_list(batches, "--batch"),
               ns=parse_int_list(ns, "--tokens-per-forward"), context=context, hf=not no_hf,
+              peers=[p.strip() for p in (peers or "").split(",") if p.strip()],
               bandwidth_mib=bandwidth_mib, json_out=json_out, console=console)
 
 

@@ -2,8 +2,12 @@
 
     run_hf_peers(loaded, prompt_ids, params) -> [PeerRun(name, completions, stats), ...]
 
-  hf      greedy `generate`, one prompt at a time (batch 1)
-  hf-pld  assisted generation with prompt lookup (`prompt_lookup_num_tokens=10`), batch 1
+  hf         greedy `generate`, one prompt at a time (batch 1)
+  hf-pld     assisted generation with prompt lookup (`prompt_lookup_num_tokens=10`), batch 1
+  llama.cpp  llama-cpp-python (optional extra `fastspec[llamacpp]`) on a GGUF of the engine's
+             weights written at their precision (fp32 -> F32, bf16 -> F16, int8 -> Q8_0;
+             fastspec/model/gguf_writer.py), greedy, fed the same token ids, batch 1, as many
+             threads as torch uses
 
 Each peer returns `fastspec.engine.Completion`s and a `RunStats`, so the bench runner fills its
 Records for a peer exactly as for an engine method (and compares tokens against AR).
@@ -23,6 +27,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
@@ -31,7 +36,10 @@ from fastspec.config import FastspecError
 from fastspec.engine import Completion, RunStats
 from fastspec.sampling import SamplingParams
 
-PEERS = ("hf", "hf-pld")
+PEERS = ("hf", "hf-pld", "llama.cpp")
+HF_PEERS = ("hf", "hf-pld")
+LLAMACPP_MISSING = ("peer llama.cpp needs llama-cpp-python: pip install 'fastspec[llamacpp]' "
+                    "(it builds llama.cpp from source: several minutes)")
 PROMPT_LOOKUP_TOKENS = 10
 
 
@@ -82,7 +90,7 @@ class _Commits:
         pass
 
 
-def run_hf_peers(loaded, prompt_ids: list[list[int]], params: SamplingParams, names=PEERS, *,
+def run_hf_peers(loaded, prompt_ids: list[list[int]], params: SamplingParams, names=HF_PEERS, *,
                  hf=None, eos_ids=None, log: Callable[[str], None] | None = None) -> list[PeerRun]:
     """Decode every token-id prompt with each named peer; [] (with a message) unless greedy.
 
@@ -91,9 +99,7 @@ def run_hf_peers(loaded, prompt_ids: list[list[int]], params: SamplingParams, na
     set (default: the engine's).
     """
     log = log or (lambda msg: print(msg, file=sys.stderr))
-    unknown = [n for n in names if n not in PEERS]
-    if unknown:
-        raise FastspecError(f"unknown peer {unknown[0]!r} (choose from {', '.join(PEERS)})")
+    check_peers(names)
     if any(isinstance(p, str) for p in prompt_ids):
         raise FastspecError("peers take token ids: encode prompts first (engine.encode(text))")
     if not params.greedy:
@@ -102,9 +108,83 @@ def run_hf_peers(loaded, prompt_ids: list[list[int]], params: SamplingParams, na
         return []
     if not prompt_ids or not names:
         return []
-    hf = hf if hf is not None else peer_model(loaded)
     eos = sorted(default_eos_ids(loaded) if eos_ids is None else eos_ids)
-    return [_run_peer(hf, name, prompt_ids, params, eos, loaded.tokenizer) for name in names]
+    runs = []
+    for name in names:
+        if name == "llama.cpp":
+            runs.append(_run_llamacpp(loaded, prompt_ids, params, eos))
+            continue
+        hf = hf if hf is not None else peer_model(loaded)
+        runs.append(_run_peer(hf, name, prompt_ids, params, eos, loaded.tokenizer))
+    return runs
+
+
+def check_peers(names) -> None:
+    """Refuse unknown peers and a missing llama-cpp-python before anything runs (one line)."""
+    unknown = [n for n in names if n not in PEERS]
+    if unknown:
+        raise FastspecError(f"unknown peer {unknown[0]!r} (choose from {', '.join(PEERS)})")
+    if "llama.cpp" in names:
+        import importlib.util
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise FastspecError(LLAMACPP_MISSING)
+
+
+def llamacpp_model(loaded, directory):
+    """A llama_cpp.Llama on a GGUF of the engine's weights at their precision, in `directory`."""
+    import llama_cpp
+    from fastspec.model.gguf_writer import source_gguf, write_gguf
+    from fastspec.weights import weight_precision
+    precision = weight_precision(loaded.model)
+    path = write_gguf(loaded.model, Path(directory) / f"fastspec-{precision}.gguf", precision,
+                      tokenizer_from=source_gguf(loaded), chat_template=loaded.chat_template)
+    ctx = min(loaded.cfg.max_position_embeddings, loaded.model.rope_cos.shape[0])
+    return llama_cpp.Llama(model_path=str(path), n_ctx=ctx, n_batch=512, n_threads=torch.get_num_threads(),
+                           n_threads_batch=torch.get_num_threads(), verbose=False, seed=0)
+
+
+def llamacpp_generate(llm, ids: list[int], max_new_tokens: int, stop) -> tuple[list[int], float]:
+    """Greedy tokens after `ids` (at most max_new_tokens, through the first stop token) and the
+    time from the call to the first token (prefill)."""
+    t0, ttft, new = time.perf_counter(), None, []
+    for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+        new.append(int(tok))
+        if len(new) >= max_new_tokens or tok in stop:
+            break
+    return new, ttft or 0.0
+
+
+def _run_llamacpp(loaded, prompt_ids, params, eos) -> PeerRun:
+    import tempfile
+    check_peers(["llama.cpp"])
+    stop = set() if params.ignore_eos else set(eos)
+    tok = loaded.tokenizer
+    with tempfile.TemporaryDirectory(prefix="fastspec-gguf-") as d:
+        t0 = time.perf_counter()
+        llm = llamacpp_model(loaded, d)
+        llamacpp_generate(llm, prompt_ids[0], 2, stop)       # load + first-call overhead, untimed
+        stats = PeerStats(requests=len(prompt_ids), warmup_s=time.perf_counter() - t0)
+        comps = []
+        t_start = time.perf_counter()
+        for i, ids in enumerate(prompt_ids):
+            t0 = time.perf_counter()
+            new, ttft = llamacpp_generate(llm, list(ids), params.max_new_tokens, stop)
+            latency = time.perf_counter() - t0
+            # One token per forward after the prefill, as in AR.
+            comps.append(Completion(
+                i, list(ids), new, None if tok is None else tok.decode(new, skip_special_tokens=True),
+                "eos" if stop and new and new[-1] in stop else "length",
+                max(len(new) - 1, 0), ttft, latency, [1] * max(len(new) - 1, 0), len(new)))
+            stats.prefill_s += ttft
+            stats.decode_s += latency - ttft
+        stats.wall_s = time.perf_counter() - t_start
+        del llm
+    stats.new_tokens = sum(len(c.token_ids) for c in comps)
+    stats.forwards = stats.request_forwards = sum(c.forwards for c in comps)
+    stats.rounds = sum(c.rounds for c in comps)
+    return PeerRun("llama.cpp", comps, stats)
 
 
 def _run_peer(hf, name, prompt_ids, params, eos, tokenizer) -> PeerRun:

@@ -200,6 +200,8 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", max_new_t
     plan = parse_methods(methods, parse_int_list(blocks, "--block"), baseline)
     levels = parse_int_list(concurrency, "--concurrency")
     peer_names = [p.strip() for p in (peers or "").split(",") if p.strip()]
+    from fastspec.evals.peers import check_peers
+    check_peers(peer_names)
     base = SamplingParams(temperature, top_k, top_p, max_new_tokens or 256, seed)   # validates flags
     items = load_items(suite, benches, prompts_file, limit, data_dir, max_new_tokens, console)
     params = [replace(base, max_new_tokens=it.max_new_tokens) for it in items]
@@ -281,7 +283,7 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", max_new_t
     if peer_names:
         from fastspec.evals.peers import run_hf_peers
         which = [i for i, ids in enumerate(prompt_ids) if _too_long(engine, "ar", None, ids, base) is None]
-        with console.status(f"peers {', '.join(peer_names)} (transformers, batch 1) ..."):
+        with console.status(f"peers {', '.join(peer_names)} (batch 1) ..."):
             peer_runs = run_hf_peers(engine.loaded, [prompt_ids[i] for i in which], base, peer_names,
                                      log=lambda m: console.print(f"[yellow]{m}[/]"))
         for run in peer_runs:

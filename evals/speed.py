@@ -66,6 +66,15 @@ def hf_generate_tps(hf, tokenizer, prompts: list[str], new_tokens: int) -> tuple
     return new.numel() / dt, new.tolist()
 
 
+def llamacpp_tps(llm, prompt_ids: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+    """llama.cpp's greedy tokens/s over the prompts one after another (batch 1), no stop token."""
+    from fastspec.evals.peers import llamacpp_generate
+    llamacpp_generate(llm, prompt_ids[0], 4, ())                 # warm-up
+    t0 = time.perf_counter()
+    out = [llamacpp_generate(llm, ids, new_tokens, ())[0] for ids in prompt_ids]
+    return sum(map(len, out)) / (time.perf_counter() - t0), out
+
+
 def forward_times(loaded, batch: int, ns: list[int], context: int, backend: str = "auto") -> dict:
     """{(n, layout): profile point} for one forward of n new tokens per row after `context`
     committed tokens: `fastspec profile`'s own measurement (graphs/profile.measure_point)."""
@@ -78,7 +87,7 @@ def forward_times(loaded, batch: int, ns: list[int], context: int, backend: str 
 
 def run_speed(*, model, new_tokens, batches, ns, context, hf, json_out, console: Console,
               device="auto", dtype="auto", backend="auto", bandwidth_mib: int = 1024,
-              weights: str = "fp32"):
+              weights: str = "fp32", peers: list[str] = ()):
     from fastspec.config import FastspecError
     from fastspec.engine import Engine
     from fastspec.files import check_writable, write_json
@@ -89,6 +98,10 @@ def run_speed(*, model, new_tokens, batches, ns, context, hf, json_out, console:
 
     if new_tokens < 1:
         raise FastspecError(f"--new-tokens must be >= 1, got {new_tokens}")
+    if set(peers) - {"llama.cpp"}:
+        raise FastspecError(f"speed runs one peer, llama.cpp (got {', '.join(peers)})")
+    from fastspec.evals.peers import check_peers
+    check_peers(peers)
     if json_out:
         check_writable(json_out, "--json")
     resolve_device(device)                     # a bad --device fails before the load
@@ -109,12 +122,21 @@ def run_speed(*, model, new_tokens, batches, ns, context, hf, json_out, console:
                   f"{weight_bytes / 1e6:.0f} MB of weights per step; read bandwidth {bw:.1f} GB/s -> "
                   f"floor {floor_ms:.1f} ms/token at batch 1", highlight=False)
     hf_model = hf_model_from(loaded) if hf else None
+    gguf_dir = llm = None
+    if "llama.cpp" in peers:
+        import tempfile
+        from fastspec.evals.peers import llamacpp_model
+        gguf_dir = tempfile.TemporaryDirectory(prefix="fastspec-gguf-")
+        llm = llamacpp_model(loaded, gguf_dir.name)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     result = {"model": model, "environment": env, "bandwidth_gbs": bw, "weight_bytes": weight_bytes,
               "floor_ms": floor_ms, "generate": [], "forward": []}
 
     gen = Table(title=f"AR decoding, greedy, {new_tokens} new tokens")
-    for col in ("batch", "fastspec tok/s", "ms/step", "% of floor", "HF generate tok/s", "speedup", "same tokens", "warm-up s"):
+    cols = ["batch", "fastspec tok/s", "ms/step", "% of floor", "HF generate tok/s", "speedup", "same tokens"]
+    if llm is not None:
+        cols += ["llama.cpp tok/s", "vs llama.cpp", "same as llama.cpp"]
+    for col in cols + ["warm-up s"]:
         gen.add_column(col, justify="right")
     for b in batches:
         prompts = [engine.render_chat([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]) for i in range(b)]
@@ -132,12 +154,23 @@ def run_speed(*, model, new_tokens, batches, ns, context, hf, json_out, console:
             row.update(hf_tokens_per_s=hf_tps, speedup=decode_tps / hf_tps,
                        same_tokens=sum(same_until_eos(o.token_ids, h, engine.eos_ids)
                                        for o, h in zip(out, hf_ids)) / b)
+        if llm is not None:
+            lc_tps, lc_ids = llamacpp_tps(llm, [engine.encode(p) for p in prompts], new_tokens)
+            row.update(llamacpp_tokens_per_s=lc_tps, vs_llamacpp=decode_tps / lc_tps,
+                       same_as_llamacpp=sum(same_until_eos(o.token_ids, h, engine.eos_ids)
+                                            for o, h in zip(out, lc_ids)) / b)
         result["generate"].append(row)
         fmt = lambda key, f: format(row[key], f) if key in row else "—"
-        gen.add_row(str(b), f"{decode_tps:.1f}", f"{step_ms:.1f}", f"{row['floor_fraction']:.0%}",
-                    fmt("hf_tokens_per_s", ".1f"), fmt("speedup", ".2f") + "×", fmt("same_tokens", ".0%"),
-                    f"{warm:.1f}")
+        cells = [str(b), f"{decode_tps:.1f}", f"{step_ms:.1f}", f"{row['floor_fraction']:.0%}",
+                 fmt("hf_tokens_per_s", ".1f"), fmt("speedup", ".2f") + "×", fmt("same_tokens", ".0%")]
+        if llm is not None:
+            cells += [fmt("llamacpp_tokens_per_s", ".1f"), fmt("vs_llamacpp", ".2f") + "×",
+                      fmt("same_as_llamacpp", ".0%")]
+        gen.add_row(*cells, f"{warm:.1f}")
     console.print(gen)
+    if gguf_dir is not None:
+        del llm
+        gguf_dir.cleanup()
 
     fw = Table(title=f"one forward of N new tokens per row, context {context} — ms and T(N)/T({ns[0]}) "
                      f"(chain: causal, adapter off; draft: block-bidirectional, adapter on)")

@@ -54,6 +54,8 @@ CASES = [
     ("bench-unknown-suite", ["bench", *TINY, "--suite", "nope"], "unknown suite 'nope'"),
     ("bench-unknown-bench", ["bench", *TINY, "--bench", "gsm9k"], "unknown benchmark 'gsm9k'"),
     ("bench-unknown-method", [*BENCH, "--method", "magic"], "unknown method 'magic'"),
+    ("bench-unknown-peer", [*BENCH, "--peers", "hf,vllm"], "unknown peer 'vllm'"),
+    ("speed-peer-not-llamacpp", [*SPEED, "--peers", "hf"], "speed runs one peer, llama.cpp (got hf)"),
     ("bench-ar-only-bad-block", [*BENCH, "--method", "ar", "--block", "7"],
      "--block must be one of (4, 8, 16, 32), got 7"),
     ("bench-linear-bad-block", [*BENCH, "--method", "ar,linear", "--block", "8,5"],

@@ -10,6 +10,7 @@ import torch
 from fastspec.config import FastspecError
 from fastspec.model import loader
 from fastspec.model.llama import LlamaModel
+from fastspec.model.gguf_writer import _ARCH_FOR, write_gguf as write_gguf_file
 from fastspec.model.loader import load_model, tiny_random_config, write_hf_checkpoint
 from helpers import IDS, hf_logits, native_logits
 
@@ -60,76 +61,15 @@ def test_tiny_random():
 
 
 # --- GGUF --------------------------------------------------------------------------------------
-HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-
-
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def llamacpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """What llama.cpp's converter does to llama Q/K rows: per head, row 2i+h <- HF row h*D/2+i."""
-    d = w.shape[0] // n_heads
-    idx = torch.arange(d).view(2, d // 2).t().reshape(-1)
-    return w.reshape(n_heads, d, *w.shape[1:])[:, idx].reshape(w.shape)
-
-
-def llamacpp_rope_factors(c) -> np.ndarray:
-    """Llama 3 scaling as llama.cpp stores it: one divisor per frequency instead of metadata."""
-    sc = c.rope_scaling
-    old, lo, hi = sc["original_max_position_embeddings"], sc["low_freq_factor"], sc["high_freq_factor"]
-    out = []
-    for i in range(0, c.head_dim, 2):
-        wavelen = 2 * np.pi * c.rope_theta ** (i / c.head_dim)
-        if wavelen < old / hi:
-            out.append(1.0)
-        elif wavelen > old / lo:
-            out.append(sc["factor"])
-        else:
-            smooth = (old / wavelen - lo) / (hi - lo)
-            out.append(1 / ((1 - smooth) / sc["factor"] + smooth))
-    return np.array(out, dtype=np.float32)
-
-
 def write_gguf(model: LlamaModel, path, arch="llama", qtype=None):
-    c = model.cfg
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_heads)
-    w.add_head_count_kv(c.num_kv_heads)
-    w.add_rope_freq_base(c.rope_theta)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_chat_template("{{ messages[0]['content'] }}")
-    if (sc := c.rope_scaling) and sc["rope_type"] == "llama3":
-        w.add_tensor("rope_freqs.weight", llamacpp_rope_factors(c))
-    for name, t in model.hf_state_dict().items():
-        parts = name.split(".")
-        if name.startswith("model.layers."):
-            g = f"blk.{parts[2]}.{HF_TO_GGUF['.'.join(parts[3:-1])]}.{parts[-1]}"
-        else:
-            g = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                 "lm_head.weight": "output.weight"}[name]
-        if arch == "llama" and ".attn_q." in g:
-            t = llamacpp_permute(t, c.num_heads)
-        elif arch == "llama" and ".attn_k." in g:
-            t = llamacpp_permute(t, c.num_kv_heads)
-        arr = t.float().numpy()
-        if qtype is not None and arr.ndim == 2:
-            w.add_tensor(g, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(g, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    """fastspec's own GGUF writer (the architecture follows the model's config)."""
+    assert _ARCH_FOR[model.cfg.architecture] == arch
+    precision = {None: "fp32", gguf.GGMLQuantizationType.Q8_0: "int8"}[qtype]
+    write_gguf_file(model, path, precision, chat_template="{{ messages[0]['content'] }}")
 
 
 @pytest.mark.parametrize("arch,cfg", [("llama", {}), ("llama", {"tie_word_embeddings": False}),
@@ -281,3 +221,70 @@ def test_bf16_load_peak_memory_is_about_the_file_size(tmp_path):
     assert r["embed_dtype"] == "torch.bfloat16" and r["lora_dtype"] == "torch.float32"
     assert r["convention"] == "nld" and r["rope_rows"] == 4096
     assert r["load_peak_bytes"] <= 1.3 * r["file_bytes"], r
+
+
+# --- the GGUF writer (llama.cpp peers run on the engine's exact weights) ---------------------------
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+def test_gguf_writer_round_trips_the_loaded_weights(tmp_path, precision):
+    """Written at the precision's GGUF type (F32, F16, Q8_0) and read back by the loader: fp32
+    weights come back exactly (same logits), bf16 exactly in f16's normal range, int8 within
+    Q8_0's step."""
+    from fastspec.weights import apply_weight_precision
+    model = tiny_model(seed=5)
+    apply_weight_precision(model, precision)
+    path = write_gguf_file(model, tmp_path / f"{precision}.gguf", precision)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert types["blk.0.attn_q.weight"] == {"fp32": "F32", "bf16": "F16", "int8": "Q8_0"}[precision]
+    assert types["blk.0.attn_norm.weight"] == "F32"
+    back = load_model(str(path))
+    assert back.tokenizer is None and back.cfg.num_layers == model.cfg.num_layers
+    for (name, a), b in zip(model.hf_state_dict().items(), back.model.hf_state_dict().values()):
+        if precision == "int8" and a.dim() == 2:
+            assert (a - b).abs().max() <= a.abs().max() / 127, name
+        elif precision == "bf16" and a.dim() == 2:
+            normal = a.abs() >= 2 ** -14                # f16's normal range: bf16 fits exactly
+            assert torch.equal(a[normal], b[normal]), name
+            assert (a - b).abs().max() <= 2 ** -25, name   # below it, f16's subnormal step
+        else:
+            assert torch.equal(a, b), name
+    if precision == "fp32":
+        assert torch.equal(native_logits(back.model, IDS), native_logits(model, IDS))
+    elif precision == "bf16":
+        torch.testing.assert_close(native_logits(back.model, IDS), native_logits(model, IDS),
+                                   rtol=0, atol=1e-5)
+
+
+def test_gguf_writer_copies_the_source_tokenizer(tmp_path):
+    """Every tokenizer.* field of the source GGUF, with its value types; without a source the file
+    carries token ids only ("no_vocab") and the loader builds no tokenizer from it."""
+    src = gguf.GGUFWriter(str(tmp_path / "src.gguf"), "llama")
+    src.add_tokenizer_model("gpt2")
+    src.add_tokenizer_pre("smollm")
+    src.add_token_list([f"t{i}" for i in range(8)])
+    src.add_token_types([1] * 8)
+    src.add_token_merges(["t 1", "t 2"])
+    src.add_bos_token_id(1)
+    src.add_eos_token_id(2)
+    src.add_chat_template("{{ x }}")
+    src.write_header_to_file()
+    src.write_kv_data_to_file()
+    src.close()
+    model = tiny_model(seed=6)
+    out = write_gguf_file(model, tmp_path / "m.gguf", tokenizer_from=tmp_path / "src.gguf")
+
+    def tokenizer_fields(p):
+        fields = gguf.GGUFReader(str(p)).fields
+        return {k: (f.types, f.contents()) for k, f in fields.items() if k.startswith("tokenizer.")}
+
+    assert tokenizer_fields(out) == tokenizer_fields(tmp_path / "src.gguf")
+    bare = write_gguf_file(model, tmp_path / "bare.gguf")
+    assert tokenizer_fields(bare)["tokenizer.ggml.model"][1] == "no_vocab"
+
+
+def test_gguf_writer_refuses_what_it_cannot_write(tmp_path):
+    model = tiny_model(seed=6)
+    with pytest.raises(FastspecError, match="unknown weight precision"):
+        write_gguf_file(model, tmp_path / "m.gguf", "fp8")
+    model.cfg = model.cfg.replace(architecture="MistralForCausalLM")
+    with pytest.raises(FastspecError, match="cannot write a GGUF for MistralForCausalLM"):
+        write_gguf_file(model, tmp_path / "m.gguf")

@@ -79,3 +79,34 @@ def test_sampling_is_skipped_with_a_message_and_bad_input_is_one_line(loaded):
         run_hf_peers(loaded, PROMPTS, SamplingParams(), names=("vllm",))
     with pytest.raises(FastspecError, match="token ids"):
         run_hf_peers(loaded, ["hello"], SamplingParams())
+
+
+# --- llama.cpp -------------------------------------------------------------------------------------
+def test_a_missing_llama_cpp_is_one_line_before_anything_runs(monkeypatch, tmp_path):
+    """--peers llama.cpp without llama-cpp-python: exit 1 and one line saying how to install it,
+    from bench and speed alike, before the model loads."""
+    import importlib.util
+
+    from click.testing import CliRunner
+
+    from fastspec.cli.main import cli
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    for argv in (["bench", "--model", "tiny-random", "--prompts", str(prompts), "--peers", "llama.cpp"],
+                 ["speed", "--model", "tiny-random", "--no-hf", "--peers", "llama.cpp"]):
+        result = CliRunner().invoke(cli, argv)
+        assert result.exit_code == 1, result.output
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert len(lines) == 1 and "needs llama-cpp-python: pip install 'fastspec[llamacpp]'" in lines[0]
+
+
+def test_llama_cpp_greedy_equals_fastspec_ar_on_the_same_weights(loaded):
+    """llama.cpp on a GGUF of the engine's fp32 weights decodes the engine's AR tokens."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional extra")
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    ar = Engine(loaded, backend="eager").generate(PROMPTS, params)
+    run, = run_hf_peers(loaded, PROMPTS, params, names=("llama.cpp",))
+    assert [c.token_ids for c in run.completions] == [c.token_ids for c in ar]
+    assert run.stats.new_tokens == 36 and run.stats.tokens_per_forward == 1.0

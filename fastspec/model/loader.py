@@ -386,7 +386,7 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
             elif ".self_attn.k_proj." in k:
                 sd[k] = unpermute_rope(sd[k], kv_heads)
     meta = {"chat_template": _meta_value(reader, "tokenizer.chat_template"),
-            "has_tokenizer": "tokenizer.ggml.model" in reader.fields}
+            "has_tokenizer": _meta_value(reader, "tokenizer.ggml.model") not in (None, "no_vocab")}
     return cfg, sd, meta
 
 
