@@ -205,6 +205,7 @@ class Engine:
         self.runner = StepRunner(backend, model=self.model, compiler=compiler)
         self.warmup_s = 0.0
         self._warm: set = set()
+        self._warm_prefill: set = set()     # (length bucket, cache shape) compiled
         self.last_stats = self.stats = RunStats()
         self.sampler: SamplerState | None = None
         self.name = getattr(loaded, "name", "this model")
@@ -330,6 +331,10 @@ class Engine:
         zero = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
         mask = cache_mask(zero, causal_block(n, self.device), n)
         capture = getattr(meth, "prefill_capture", None)
+        if not capture and self.runner.resolved != "eager":
+            logits = torch.cat([self._prefill_compiled(s.prompt_ids, s.slot) for s in seqs])
+            c.lengths[slots] = lens
+            return logits
         out = self.model(ids, pos, c.k, c.v, pos, mask, slots, logits_index=(lens - 1)[:, None],
                          **({"capture": capture} if capture else {}))
         logits = out
@@ -338,6 +343,46 @@ class Engine:
             meth.prefill_context(self.carry, slots, hidden, lens)
         c.lengths[slots] = lens
         return logits[:, 0]
+
+    def prefill_bucket(self, n: int) -> int:
+        """The padded length a compiled prefill of n prompt tokens runs at: the next power of two
+        from 16 (17 -> 32, 300 -> 512), at most the cache's length."""
+        return min(max(16, 1 << (n - 1).bit_length()), self.cache.max_len)
+
+    def _prefill_compiled(self, prompt_ids: list[int], slot: int) -> torch.Tensor:
+        """One prompt through the compiled model forward, padded to its length bucket so that a
+        few step shapes serve every prompt: [t1 .. tn 0 .. 0] at positions 0 .. P-1, causal.
+        The padding writes K/V past the prompt (columns n .. P-1), beyond the committed length,
+        where nothing reads it before a later step overwrites it. Last-token logits [1, V]."""
+        c, dev = self.cache, self.device
+        n = len(prompt_ids)
+        P = self.prefill_bucket(n)
+        ids = torch.zeros(1, P, dtype=torch.long, device=dev)
+        ids[0, :n] = torch.tensor(prompt_ids)
+        pos = torch.arange(P, device=dev)[None]
+        mask = cache_mask(torch.zeros(1, dtype=torch.long, device=dev), causal_block(P, dev), P)
+        slots = torch.tensor([slot], device=dev)
+        last = torch.tensor([[n - 1]], device=dev)
+        key = GraphKey(1, P, "prefill", method="prefill")
+        return self.runner.run(key, self.prefill_forward, ids, pos, c.k, c.v, pos, mask, slots, last,
+                               static=(2, 3))[0][:, 0]
+
+    @torch.no_grad()
+    def prefill_forward(self, ids, pos, k, v, cols, mask, slots, last):
+        """The compiled prefill step: a model forward with logits at `last` only."""
+        return self.model(ids, pos, k, v, cols, mask, slots, logits_index=last)
+
+    def warm_prefill(self, prompt_lengths, meth: Method | None = None) -> float:
+        """Compile the prefill buckets these prompts need (on the trash slot) before timing."""
+        if self.runner.resolved == "eager" or getattr(meth, "prefill_capture", None):
+            return 0.0
+        t0 = time.perf_counter()
+        for P in sorted({self.prefill_bucket(n) for n in prompt_lengths}):
+            key = (P, tuple(self.cache.k.shape))
+            if key not in self._warm_prefill:
+                self._prefill_compiled([0] * P, self.trash)
+                self._warm_prefill.add(key)
+        return time.perf_counter() - t0
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, block_mask: torch.Tensor,
@@ -475,6 +520,7 @@ class Engine:
                            self.step_ms.setdefault(meth.key_name(), {}), self.forward_cost,
                            model=self.model))
         self.prepare(C, max(len(s.prompt_ids) + s.params.max_new_tokens for s in seqs), meth)
+        self.warmup_s += self.warm_prefill([len(s.prompt_ids) for s in seqs], meth)
         c = self.cache
         c.lengths.zero_()
         compiled_before = {k: v["compiles"] + v.get("captures", 0)

@@ -98,3 +98,38 @@ def test_prompt_longer_than_context_is_a_clear_error(tiny):
         engine.generate([[5] * 1000], SamplingParams(max_new_tokens=100))
     with pytest.raises(FastspecError, match="empty prompt"):
         engine.generate([[]], SamplingParams())
+
+
+# --- compiled prefill ------------------------------------------------------------------------------
+def test_compiled_prefill_pads_prompts_to_length_buckets_and_equals_eager():
+    """A prompt runs through the compiled step padded to its length bucket (5 -> 16, 17 -> 32):
+    its last-token logits and its K/V equal the eager unpadded prefill's, and a whole run gives
+    the eager tokens with the buckets compiled in warm-up, none while timing."""
+    from conftest import tiny_drafter
+    t = tiny_drafter()
+    eng = Engine(t, backend="compile", compiler="aot_eager")
+    eng.prepare(1, 64)
+    assert [eng.prefill_bucket(n) for n in (1, 5, 16, 17, 33)] == [16, 16, 16, 32, 64]
+    c = eng.cache
+    for ids in ([7, 9, 11, 13, 15], list(range(3, 20))):
+        n = len(ids)
+        logits = eng._prefill_compiled(ids, 0)
+        k, v = c.k[:, 0, :, :n].clone(), c.v[:, 0, :, :n].clone()
+        ref_k, ref_v = torch.zeros_like(c.k), torch.zeros_like(c.v)
+        pos = torch.arange(n)[None]
+        from fastspec.layout import cache_mask
+        mask = cache_mask(torch.zeros(1, dtype=torch.long), causal_block(n), n)
+        ref = t.model(torch.tensor([ids]), pos, ref_k, ref_v, pos, mask, torch.tensor([0]))[:, -1]
+        torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(k, ref_k[:, 0, :, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, ref_v[:, 0, :, :n], rtol=1e-5, atol=1e-5)
+
+    prompts = [[5, 6, 7], list(range(3, 23)), [42] * 9]
+    params = SamplingParams(max_new_tokens=7)
+    want = [x.token_ids for x in Engine(t, backend="eager").generate(prompts, params, concurrency=2)]
+    for method in ("ar", "linear"):
+        got = eng.generate(prompts, params, method=method, block=8 if method == "linear" else None,
+                           concurrency=2)
+        assert [x.token_ids for x in got] == want
+        assert eng.last_stats.lazy_compiles == 0 and eng.last_stats.recompiles == 0
+    assert sorted(k.block for k in eng.runner.keys() if k.layout == "prefill") == [16, 32]
