@@ -181,10 +181,7 @@ def _run_llamacpp(loaded, prompt_ids, params, eos) -> PeerRun:
             stats.decode_s += latency - ttft
         stats.wall_s = time.perf_counter() - t_start
         del llm
-    stats.new_tokens = sum(len(c.token_ids) for c in comps)
-    stats.forwards = stats.request_forwards = sum(c.forwards for c in comps)
-    stats.rounds = sum(c.rounds for c in comps)
-    return PeerRun("llama.cpp", comps, stats)
+    return _finished("llama.cpp", comps, stats)
 
 
 def _run_peer(hf, name, prompt_ids, params, eos, tokenizer) -> PeerRun:
@@ -231,6 +228,11 @@ def _run_peer(hf, name, prompt_ids, params, eos, tokenizer) -> PeerRun:
         stats.wall_s = time.perf_counter() - t_start
     finally:
         hook.remove()
+    return _finished(name, comps, stats)
+
+
+def _finished(name: str, comps: list[Completion], stats: PeerStats) -> PeerRun:
+    """The run's totals from its completions."""
     stats.new_tokens = sum(len(c.token_ids) for c in comps)
     stats.forwards = stats.request_forwards = sum(c.forwards for c in comps)
     stats.rounds = sum(c.rounds for c in comps)

@@ -323,6 +323,11 @@ class Engine:
         c = self.cache
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
         lens = torch.tensor([len(s.prompt_ids) for s in seqs], device=self.device)
+        capture = getattr(meth, "prefill_capture", None)
+        if not capture and self.runner.resolved != "eager":
+            logits = torch.cat([self._prefill_compiled(s.prompt_ids, s.slot) for s in seqs])
+            c.lengths[slots] = lens
+            return logits
         n = int(lens.max())
         ids = torch.zeros(len(seqs), n, dtype=torch.long, device=self.device)
         for row, s in enumerate(seqs):
@@ -330,11 +335,6 @@ class Engine:
         pos = torch.arange(n, device=self.device).expand(len(seqs), n)
         zero = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
         mask = cache_mask(zero, causal_block(n, self.device), n)
-        capture = getattr(meth, "prefill_capture", None)
-        if not capture and self.runner.resolved != "eager":
-            logits = torch.cat([self._prefill_compiled(s.prompt_ids, s.slot) for s in seqs])
-            c.lengths[slots] = lens
-            return logits
         out = self.model(ids, pos, c.k, c.v, pos, mask, slots, logits_index=(lens - 1)[:, None],
                          **({"capture": capture} if capture else {}))
         logits = out

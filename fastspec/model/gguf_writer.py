@@ -27,14 +27,13 @@ import torch
 
 from fastspec.config import FastspecError, ModelConfig
 from fastspec.model.llama import LlamaModel
+from fastspec.model.loader import DEFAULT_MODEL, GGUF_ARCHS, GGUF_LAYER_NAMES, GGUF_TOP_NAMES, _smollm2_gguf
 
 GGUF_TYPE_FOR = {"fp32": "F32", "bf16": "F16", "int8": "Q8_0"}
-_ARCH_FOR = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
-_LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-                "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-_TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+# The loader's GGUF <-> HF tables, read the other way.
+_ARCH_FOR = {hf: arch for arch, hf in GGUF_ARCHS.items()}
+_LAYER_NAMES = {hf: g for g, hf in GGUF_LAYER_NAMES.items()}
+_TOP_NAMES = {hf: g for g, hf in GGUF_TOP_NAMES.items()}
 
 
 def gguf_name(hf_name: str) -> str:
@@ -76,7 +75,6 @@ def source_gguf(loaded) -> Path | None:
     """The GGUF file a LoadedModel came from, if any (the default model is read from one)."""
     if loaded.path and str(loaded.path).endswith(".gguf"):
         return Path(loaded.path)
-    from fastspec.model.loader import DEFAULT_MODEL, _smollm2_gguf
     if loaded.name == DEFAULT_MODEL:
         try:
             return _smollm2_gguf()
@@ -114,18 +112,13 @@ def write_gguf(model: LlamaModel, path, precision: str = "fp32", *, tokenizer_fr
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_heads)
-    w.add_head_count_kv(c.num_kv_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_rope_dimension_count(c.head_dim)
-    w.add_vocab_size(c.vocab_size)
-    w.add_rope_freq_base(c.rope_theta)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    for add, value in ((w.add_block_count, c.num_layers), (w.add_context_length, c.max_position_embeddings),
+                       (w.add_embedding_length, c.hidden_size), (w.add_feed_forward_length, c.intermediate_size),
+                       (w.add_head_count, c.num_heads), (w.add_head_count_kv, c.num_kv_heads),
+                       (w.add_key_length, c.head_dim), (w.add_value_length, c.head_dim),
+                       (w.add_rope_dimension_count, c.head_dim), (w.add_vocab_size, c.vocab_size),
+                       (w.add_rope_freq_base, c.rope_theta), (w.add_layer_norm_rms_eps, c.rms_norm_eps)):
+        add(value)
     w.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
                      "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[GGUF_TYPE_FOR[precision]])
     if sc and sc["rope_type"] in ("linear", "yarn"):
