@@ -30,6 +30,7 @@ from fastspec.layout import block_placement, cache_mask, causal_block
 from fastspec.sampling import SamplerState, SamplingParams, sample_tokens, sampling_mode
 
 CTX_ALIGN = 256
+CTX_STEP = 64         # a round's attention context is rounded up to this many columns
 
 
 @dataclass
@@ -142,9 +143,13 @@ class Step:
     """
 
     def __init__(self, model, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                 slots: torch.Tensor, sampler: SamplerState, width: int):
+                 slots: torch.Tensor, sampler: SamplerState, width: int, ctx: int | None = None):
+        """ctx: cache columns the forwards attend over (default: the whole cache). Every column
+        a row reads or writes this round lies below it; the compiled step takes it as a dynamic
+        size, so attention reads the live prefix, not the cache's whole length."""
         self.model, self.k, self.v, self.lengths, self.slots = model, k, v, lengths, slots
         self.sampler, self.width = sampler, width
+        self.ctx = k.shape[3] if ctx is None else ctx
         self.mask_token_id = model.mask_token_id
         self.convention = model_convention(model)
         self.max_position = model.rope_cos.shape[0] - 1
@@ -155,7 +160,7 @@ class Step:
         """Logits [S, n, V] for n new tokens per row, written after each row's committed length.
         block_mask [n, n] or [S, n, n] among the new tokens; adapter_on [S, n] or None;
         rel_positions [n] or [S, n]: RoPE positions relative to the committed length."""
-        cols, mask, _ = block_placement(self.lengths, ids.shape[1], block_mask, self.k.shape[3])
+        cols, mask, _ = block_placement(self.lengths, ids.shape[1], block_mask, self.ctx)
         pos = cols if rel_positions is None else self.lengths[:, None] + rel_positions
         # Tokens past the RoPE table are speculative garbage no request can commit (the budget
         # stops first); clamping keeps their lookup in range instead of a device assert.
@@ -268,6 +273,7 @@ class Engine:
         c = self.cache
         if c is None or c.num_slots != num_slots or c.max_len < max_len:
             self.cache = KVCache(self.cfg, num_slots, max_len, self.dtype, self.device)
+            self.ctx_cols = torch.arange(max_len, device=self.device)
         self.trash = num_slots - 1
         sampled = self.sampler is not None and self.sampler.mode != "greedy"
         self._carry_specs = method.carry_spec(self.cfg.vocab_size, sampled)
@@ -300,7 +306,7 @@ class Engine:
         real = list(range(concurrency))
         for plan in method.plans():
             for _ in range(2):         # the first call compiles, the second is timed
-                self.run_group(method, plan, real, [plan.block] * len(real), concurrency)
+                self.run_group(method, plan, real, [plan.block] * len(real), concurrency, 1)
                 self.cache.lengths.fill_(1)
         self.cache.lengths.zero_()
         for name, spec in self._carry_specs.items():
@@ -423,11 +429,11 @@ class Engine:
         if fn is None:
             model, names = self.model, list(self.carry)
 
-            def round_step(slots, active, blocks, pending, lengths, k, v, *state):
+            def round_step(slots, active, blocks, pending, lengths, k, v, ctx_cols, *state):
                 sampler = SamplerState.view(tuple(t[slots] for t in state[:5]), mode)
                 carry = {n: t[slots] for n, t in zip(names, state[5:])}
                 L = lengths[slots]
-                step = Step(model, k, v, L, slots, sampler, width)
+                step = Step(model, k, v, L, slots, sampler, width, ctx=ctx_cols.shape[0])
                 out = meth.round(step, pending[slots], blocks, carry, variant)
                 if out.commit_cols is not None:
                     compact_path(k, v, slots, L, out.commit_cols)
@@ -446,10 +452,22 @@ class Engine:
             fn = self._round_fns[key] = torch.no_grad()(round_step)
         return fn
 
+    def attention_ctx(self, meth: Method, longest: int) -> int:
+        """Cache columns a round attends over: the rows' longest committed length plus the
+        widest the round writes, rounded up to CTX_STEP. A step on the whole cache would copy
+        every slot's K/V for all max_len columns per layer (the slot gather); CUDA graphs keep
+        the whole cache, so one capture serves a key."""
+        c = self.cache
+        if self.device.type == "cuda" and self.runner.resolved == "cuda-graph":
+            return c.max_len
+        need = longest + meth.max_width() + 1
+        return min(-(-need // CTX_STEP) * CTX_STEP, c.max_len)
+
     def run_group(self, meth: Method, plan: Plan, slots: list[int], blocks: list[int],
-                  concurrency: int) -> RoundOutput:
+                  concurrency: int, longest: int | None = None) -> RoundOutput:
         """One round for the requests in `slots` that share `plan`, as one keyed step (padded to
-        a batch bucket with trash rows). Commits their lengths, seeds, streams and carry."""
+        a batch bucket with trash rows). Commits their lengths, seeds, streams and carry.
+        longest: an upper bound on the rows' committed lengths (None: the whole cache)."""
         c, s = self.cache, self.sampler
         n = len(slots)
         if meth.bucketing:
@@ -463,10 +481,16 @@ class Engine:
         block_t = torch.tensor(blocks + [width] * pad, device=dev)
         key = GraphKey(rows, width, meth.layout_name(plan.variant), s.mode, meth.key_name())
         fn = self._round_fn(meth, plan.variant, s.mode, width)
+        # The attention context enters as the length of a column range, a size the compiled
+        # step keeps symbolic: one compile serves every context.
+        ctx = c.max_len if longest is None else self.attention_ctx(meth, longest)
+        ctx_cols = self.ctx_cols[:ctx]
+        if ctx < c.max_len or longest is not None:
+            torch._dynamo.maybe_mark_dynamic(ctx_cols, 0)
         compiles, t0 = self.runner.total_compiles(), time.perf_counter()
         # K/V (inputs 5, 6) are written in place: the runner uses them by address.
         outs = self.runner.run(key, fn, slot_t, active, block_t, self.pending, c.lengths, c.k, c.v,
-                               *s.tensors(), *self.carry.values(), static=(5, 6))
+                               ctx_cols, *s.tensors(), *self.carry.values(), static=(5, 6))
         # Measured step times feed planners that ask for them (a sync per step on a GPU).
         if meth.timed and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -583,8 +607,10 @@ class Engine:
                 groups.setdefault(plan if meth.bucketing else Plan(0, plan.variant), []).append(seq)
             results = []
             for plan, members in groups.items():
+                # Committed length <= prompt + outputs (the last output is the pending seed).
+                longest = max(len(q.prompt_ids) + len(q.output_ids) for q in members)
                 out = self.run_group(meth, plan, [q.slot for q in members],
-                                     [q.block for q in members], C)
+                                     [q.block for q in members], C, longest)
                 results.append((plan, members, out))
             self.last_round = results[0][2]
             self.last_rounds = results

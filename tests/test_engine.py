@@ -133,3 +133,37 @@ def test_compiled_prefill_pads_prompts_to_length_buckets_and_equals_eager():
         assert [x.token_ids for x in got] == want
         assert eng.last_stats.lazy_compiles == 0 and eng.last_stats.recompiles == 0
     assert sorted(k.block for k in eng.runner.keys() if k.layout == "prefill") == [16, 32]
+
+
+def test_round_attends_over_the_live_prefix_and_compiles_once_for_every_context():
+    """A round attends over the rows' longest committed length plus its widest write, rounded
+    up to CTX_STEP columns, not the whole cache (whose slot gather copies every column per
+    layer): as requests grow past several steps of 64 columns the compiled round never
+    recompiles, and its tokens equal the eager whole-cache run's."""
+    from conftest import tiny_drafter
+    from fastspec.engine import CTX_STEP
+    t = tiny_drafter()
+    prompts = [[5, 6, 7], list(range(3, 23)), [42] * 9]
+    params = SamplingParams(max_new_tokens=150, ignore_eos=True)
+    want = [x.token_ids for x in Engine(t, backend="eager").generate(prompts, params, concurrency=2)]
+    eng = Engine(t, backend="compile")          # fastspec's backend: skinny GEMMs + inductor
+    seen = []
+    run_group = eng.run_group
+
+    def spy(meth, plan, slots, blocks, concurrency, longest=None):
+        if longest is not None:
+            seen.append(eng.attention_ctx(meth, longest))
+        return run_group(meth, plan, slots, blocks, concurrency, longest)
+
+    eng.run_group = spy
+    for method in ("ar", "linear"):
+        seen.clear()
+        got = eng.generate(prompts, params, method=method, block=8 if method == "linear" else None,
+                           concurrency=2)
+        assert [x.token_ids for x in got] == want
+        assert eng.last_stats.lazy_compiles == 0 and eng.last_stats.recompiles == 0
+        assert all(c % CTX_STEP == 0 for c in seen)
+        assert min(seen) < eng.cache.max_len and len(set(seen)) >= 3      # it grew with the rows
+    m = eng.method("ar")
+    assert eng.attention_ctx(m, 1) == CTX_STEP
+    assert eng.attention_ctx(m, 10_000) == eng.cache.max_len              # capped at the cache

@@ -177,7 +177,7 @@ class DFlash(Method):
         """The target's causal verify forward of `ids` [S, n] (written after each row's committed
         length, as Step.forward does), also returning the drafter's target layers' outputs."""
         n = ids.shape[1]
-        cols, mask, _ = block_placement(step.lengths, n, causal_block(n, ids.device), step.k.shape[3])
+        cols, mask, _ = block_placement(step.lengths, n, causal_block(n, ids.device), step.ctx)
         return step.model(ids, cols.clamp(max=step.max_position), step.k, step.v, cols, mask,
                           step.slots, None, capture=self.drafter.cfg.target_layer_ids)
 
