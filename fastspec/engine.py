@@ -452,13 +452,18 @@ class Engine:
             fn = self._round_fns[key] = torch.no_grad()(round_step)
         return fn
 
+    @property
+    def dynamic_ctx(self) -> bool:
+        """Whether rounds attend over a context sized to their rows (not under CUDA graphs)."""
+        return not (self.device.type == "cuda" and self.runner.resolved == "cuda-graph")
+
     def attention_ctx(self, meth: Method, longest: int) -> int:
         """Cache columns a round attends over: the rows' longest committed length plus the
         widest the round writes, rounded up to CTX_STEP. A step on the whole cache would copy
         every slot's K/V for all max_len columns per layer (the slot gather); CUDA graphs keep
         the whole cache, so one capture serves a key."""
         c = self.cache
-        if self.device.type == "cuda" and self.runner.resolved == "cuda-graph":
+        if not self.dynamic_ctx:
             return c.max_len
         need = longest + meth.max_width() + 1
         return min(-(-need // CTX_STEP) * CTX_STEP, c.max_len)
@@ -485,7 +490,7 @@ class Engine:
         # step keeps symbolic: one compile serves every context.
         ctx = c.max_len if longest is None else self.attention_ctx(meth, longest)
         ctx_cols = self.ctx_cols[:ctx]
-        if ctx < c.max_len or longest is not None:
+        if self.dynamic_ctx:
             torch._dynamo.maybe_mark_dynamic(ctx_cols, 0)
         compiles, t0 = self.runner.total_compiles(), time.perf_counter()
         # K/V (inputs 5, 6) are written in place: the runner uses them by address.
