@@ -268,7 +268,9 @@ class Engine:
                 f"{self.max_context}: shorten the prompt or lower --max-new-tokens")
         method = method or get_method("ar")
         # Headroom: a round writes up to max_width speculative K/V after the committed length.
-        max_len = -(-(need_len + method.max_width()) // CTX_ALIGN) * CTX_ALIGN
+        # One column more than a round can reach: a round's context then always stays below
+        # the cache's length, so the compiled step never specializes on ctx == max_len.
+        max_len = -(-(need_len + method.max_width() + 1) // CTX_ALIGN) * CTX_ALIGN
         num_slots = concurrency + 1
         c = self.cache
         if c is None or c.num_slots != num_slots or c.max_len < max_len:
@@ -459,14 +461,15 @@ class Engine:
 
     def attention_ctx(self, meth: Method, longest: int) -> int:
         """Cache columns a round attends over: the rows' longest committed length plus the
-        widest the round writes, rounded up to CTX_STEP. A step on the whole cache would copy
+        widest the round writes, rounded up to CTX_STEP (below the cache's length, which
+        `prepare` sizes one column past any round's reach). A step on the whole cache would copy
         every slot's K/V for all max_len columns per layer (the slot gather); CUDA graphs keep
         the whole cache, so one capture serves a key."""
         c = self.cache
         if not self.dynamic_ctx:
             return c.max_len
         need = longest + meth.max_width() + 1
-        return min(-(-need // CTX_STEP) * CTX_STEP, c.max_len)
+        return min(-(-need // CTX_STEP) * CTX_STEP, c.max_len - 1)
 
     def run_group(self, meth: Method, plan: Plan, slots: list[int], blocks: list[int],
                   concurrency: int, longest: int | None = None) -> RoundOutput:

@@ -166,4 +166,13 @@ def test_round_attends_over_the_live_prefix_and_compiles_once_for_every_context(
         assert min(seen) < eng.cache.max_len and len(set(seen)) >= 3      # it grew with the rows
     m = eng.method("ar")
     assert eng.attention_ctx(m, 1) == CTX_STEP
-    assert eng.attention_ctx(m, 10_000) == eng.cache.max_len              # capped at the cache
+    assert eng.attention_ctx(m, 10_000) == eng.cache.max_len - 1          # capped below the cache
+    # Requests that run to the end of their cache reach the cap: still no recompile.
+    for method in ("ar", "linear"):
+        meth = eng.method(method, 8 if method == "linear" else None)
+        budget = 256 - 20 - meth.max_width() - 2            # need_len + width + 1 = 256 columns
+        seen.clear()
+        params = SamplingParams(max_new_tokens=budget, ignore_eos=True)
+        eng.generate(prompts, params, method=meth, concurrency=2)
+        assert eng.cache.max_len == 256 and max(seen) == 255
+        assert eng.last_stats.lazy_compiles == 0 and eng.last_stats.recompiles == 0
