@@ -459,14 +459,14 @@ class Engine:
         """Whether rounds attend over a context sized to their rows (not under CUDA graphs)."""
         return not (self.device.type == "cuda" and self.runner.resolved == "cuda-graph")
 
-    def attention_ctx(self, meth: Method, longest: int) -> int:
+    def attention_ctx(self, meth: Method, longest: int | None) -> int:
         """Cache columns a round attends over: the rows' longest committed length plus the
         widest the round writes, rounded up to CTX_STEP (below the cache's length, which
         `prepare` sizes one column past any round's reach). A step on the whole cache would copy
         every slot's K/V for all max_len columns per layer (the slot gather); CUDA graphs keep
-        the whole cache, so one capture serves a key."""
+        the whole cache, so one capture serves a key. longest None: the whole cache."""
         c = self.cache
-        if not self.dynamic_ctx:
+        if longest is None or not self.dynamic_ctx:
             return c.max_len
         need = longest + meth.max_width() + 1
         return min(-(-need // CTX_STEP) * CTX_STEP, c.max_len - 1)
@@ -491,8 +491,7 @@ class Engine:
         fn = self._round_fn(meth, plan.variant, s.mode, width)
         # The attention context enters as the length of a column range, a size the compiled
         # step keeps symbolic: one compile serves every context.
-        ctx = c.max_len if longest is None else self.attention_ctx(meth, longest)
-        ctx_cols = self.ctx_cols[:ctx]
+        ctx_cols = self.ctx_cols[:self.attention_ctx(meth, longest)]
         if self.dynamic_ctx:
             torch._dynamo.maybe_mark_dynamic(ctx_cols, 0)
         compiles, t0 = self.runner.total_compiles(), time.perf_counter()
