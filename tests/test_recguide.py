@@ -9,6 +9,7 @@ from conftest import random_token_prompts, tiny_drafter
 from helpers import EOS, MASK, FakeStep, copy_model, exact_pair_law, logits_from
 from fastspec.convention import FASTSPEC, NLD
 from fastspec.engine import Engine, Step
+from fastspec.methods.base import RunInfo
 from fastspec.layout import causal_block
 from fastspec.methods.recguide import (H_COVERED, H_HIT, H_RISKY, H_SLOTS, H_WANTED, RecGuide)
 from fastspec.sampling import SamplerState, SamplingParams
@@ -206,6 +207,43 @@ def test_greedy_recguide_with_mixed_block_sizes_and_bucketing_equals_ar(drafter)
     assert [c.token_ids for c in out] == [c.token_ids for c in ar]
     widths = {k.block for k in engine.runner.stats() if k.method.startswith("recguide")}
     assert widths == {4, 8, 16}
+
+
+# --- the cost gate and what the warm-up builds -------------------------------------------
+
+
+def gated(forward_ms, step_ms=None):
+    m = RecGuide(block=8)
+    m.begin(RunInfo(1, 1, set(), {} if step_ms is None else step_ms, forward_ms))
+    return m
+
+
+def test_the_warm_up_builds_the_branch_layouts_the_gate_reaches_on_this_device():
+    """A CPU-like profile (each token ~2 ms: a branch of 8 costs more than the prior hit rate
+    times the draft forward it saves) warms the plain round only; a GPU-like one (tokens almost
+    free) warms every draft and hit layout."""
+    cpu = gated(lambda rows, tokens: 10 + 2.0 * rows * tokens)
+    # slot 1: saved T(8) = 26 ms, extra T(16) - T(8) = 16 ms; 0.3 * 26 = 7.8 <= 16: no branch.
+    assert [p.variant for p in cpu.plans()] == ["draft0"]
+    gpu = gated(lambda rows, tokens: 10 + 0.01 * rows * tokens)
+    assert sorted(p.variant for p in gpu.plans()) == sorted(
+        f"{v}{k}" for v in ("draft", "hit") for k in range(4))
+
+
+def test_the_gate_reads_measured_steps_and_scales_the_profile_for_the_others():
+    step_ms = {}
+    m = gated(lambda rows, tokens: 10 + 1.0 * rows * tokens, step_ms)
+    # Profile: T(8) = 18, T(16) = 26, T(24) = 34; draft0 = 36, draft1 = 44, hit1 = 26.
+    assert m.gate(1, 8, hit=False) == 0           # 0.3 * 18 = 5.4 <= 8
+    step_ms[(1, 8, "draft0")] = 72.0               # this machine runs at half the profile's speed
+    assert m.step_time_ms(1, 8, "draft1") == pytest.approx(88.0)
+    assert m.step_time_ms(1, 8, "draft0") == 72.0
+    assert m.gate(1, 8, hit=False) == 0
+    # Slot 0 hit 96 times in 100: 0.935 * 36 > 16 admits it; slot 1 keeps the prior 0.3.
+    m.slot_covered[0], m.slot_trials[0] = 96, 100
+    assert m.gate(1, 8, hit=False) == 1
+    step_ms[(1, 8, "draft1")] = 200.0              # measured: that branch is slow here after all
+    assert m.gate(1, 8, hit=False) == 0
 
 
 # --- a model whose drafts are often right: hits happen -------------------------------------

@@ -94,7 +94,9 @@ class Method:
         return Plan(seq.block)
 
     def plans(self) -> list[Plan]:
-        """Every plan `plan` can return: the warm-up builds their steps before timing starts."""
+        """The plans whose steps the warm-up builds before timing starts: every plan `plan` can
+        return, or the ones it is expected to (a plan outside them compiles on first use, and the
+        engine counts that compile as warm-up, not decoding)."""
         return [Plan(self.block)]
 
     def forwards_for(self, variant: str) -> int:

@@ -23,7 +23,9 @@ Which branches, per row (the reference policy by c = number of risky positions, 
 first): c = 0: continuation; 1: correction 1 + continuation; 2: corrections 1, 2 + continuation;
 >= 3: corrections 1, 2. The layout has k branch slots; row r's j-th wanted branch takes slot j.
 k is chosen between rounds by the cost gate: add slot j while (its observed hit rate) × (the draft
-forward a hit saves) > (the extra verify cost of its B tokens), all from measured step times.
+forward a hit saves) > (the extra verify cost of its B tokens), from measured step times (the
+device profile's, scaled to the measured ones, for a layout not run yet). The warm-up builds the
+layouts the gate reaches from the profile; the rest compile on first use.
 
 Reuse: correction p hits iff the first rejection is at p and the verifier emitted alt_p; the
 continuation iff every draft was accepted and its guess of the bonus equals the bonus. A hit carries the branch's drafts (and, when sampling,
@@ -172,9 +174,20 @@ class RecGuide(LinearSS):
         return list(range(self.max_slots + 1)) if self.branches == "gate" else [int(self.branches)]
 
     def plans(self) -> list[Plan]:
-        """The steps warmed before timing: every block's plain round, and every branch layout of
-        the starting block (others compile on first use, outside the timed decode)."""
-        plans = [Plan(self.block, f"{v}{k}") for k in self.slot_counts() for v in ("draft", "hit")]
+        """The steps warmed before timing: the branch layouts the cost gate reaches from this
+        device's profile at the prior hit rate (all of them on a GPU at low load; on a CPU,
+        where a branch's tokens cost about what a hit saves, often the plain round alone), and
+        every other block's plain round. A layout the gate picks later, as hit rates are
+        observed, compiles on first use, outside the timed decode (counted as warm-up)."""
+        if self.branches == "gate":
+            k_draft = self.gate(self.rows, self.block, hit=False)
+            k_hit = self.gate(self.rows, self.block, hit=True)
+            plans = [Plan(self.block, f"draft{k}") for k in range(k_draft + 1)]
+            # A hit needs a branch laid out the round before.
+            if k_draft > 0:
+                plans += [Plan(self.block, f"hit{k}") for k in range(k_hit + 1)]
+        else:
+            plans = [Plan(self.block, f"{v}{k}") for k in self.slot_counts() for v in ("draft", "hit")]
         k0 = self.slot_counts()[0]
         return plans + [Plan(b, f"draft{k0}") for b in self.blocks if b != self.block]
 
@@ -222,19 +235,30 @@ class RecGuide(LinearSS):
         errs = [abs(x["error"]) for x in rows.values()]
         return {"steps": rows, "mean_abs_error": round(sum(errs) / len(errs), 4) if errs else None}
 
+    def step_time_ms(self, rows: int, block: int, variant: str) -> float:
+        """A round's time: measured once the step has run, else the profile's estimate scaled by
+        how far the profile is off on the steps of this shape that did run (one common factor: a
+        profile taken at another thread count, or on a busier machine, is off by about that)."""
+        ms = self.ms(rows, block, variant)
+        if ms is not None:
+            return ms
+        ratios = [m / self.estimate_ms(r, w, v) for (r, w, v), m in self.step_ms.items()
+                  if (r, w) == (rows, block)]
+        return self.estimate_ms(rows, block, variant) * (sum(ratios) / len(ratios) if ratios else 1.0)
+
     def gate(self, rows: int, block: int, hit: bool) -> int:
         """Branch slots for the next round: add slot j while its hit rate × the draft forward a
-        hit saves exceeds the extra verify cost of its B tokens (measured step times)."""
+        hit saves exceeds the extra verify cost of its B tokens (step times as measured, the
+        profile's for steps not run yet)."""
         if self.branches != "gate":
             return int(self.branches)
         v = "hit" if hit else "draft"
+        t = lambda variant: self.step_time_ms(rows, block, variant)   # noqa: E731
         k = 0
         while k < self.max_slots:
-            d, h = self.ms(rows, block, f"draft{k + 1}"), self.ms(rows, block, f"hit{k + 1}")
-            now, more = self.ms(rows, block, f"{v}{k}"), self.ms(rows, block, f"{v}{k + 1}")
-            if None in (d, h, now, more) or d <= h:
-                break
-            if self.hit_rate(k) * (d - h) <= more - now:
+            saved = t(f"draft{k + 1}") - t(f"hit{k + 1}")          # the draft forward a hit skips
+            extra = t(f"{v}{k + 1}") - t(f"{v}{k}")                # slot k+1's branch tokens
+            if saved <= 0 or self.hit_rate(k) * saved <= extra:
                 break
             k += 1
         return k
