@@ -178,6 +178,8 @@ class SurvivalTables:
                 return cls.from_dict(json.load(f))
         except (OSError, ValueError) as e:
             raise FastspecError(f"cannot read survival tables {path}: {e}") from None
+        except FastspecError as e:
+            raise FastspecError(f"survival tables {path}: {e}") from None
 
 
 def choose_block(values: dict[int, float], costs: dict[int, float], objective: str = "ratio",

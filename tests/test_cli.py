@@ -225,3 +225,23 @@ def test_speed_header_names_weights_and_kernel(tmp_path):
     assert result.exit_code == 0, text
     assert "weights bf16" in text
     assert json.loads(out.read_text())["environment"]["weights"] == "bf16"
+
+
+def test_recguide_flags_fold_into_the_method_spec_and_a_tables_path_keeps_its_slashes(tmp_path):
+    """`--adaptive-blocks 8,16,32` with survival tables at a path: the path stays one string
+    (it once split on '/' like a block list and crashed)."""
+    from fastspec.cli.main import with_recguide_options
+    from fastspec.methods import get_method, parse_method_spec
+    tables = tmp_path / "sub" / "tables.json"
+    tables.parent.mkdir()
+    tables.write_text("{}")
+    spec = with_recguide_options("linear,recguide[stratum=0]", "tiny-random", adaptive_blocks="8,16,32",
+                                 tables=str(tables), no_bucketing=True)
+    linear, recguide = spec.split(",", 1)
+    assert linear == "linear"
+    name, opts = parse_method_spec(recguide)
+    assert name == "recguide" and opts["blocks"] == (8, 16, 32) and opts["tables"] == str(tables)
+    assert opts["use_stratum"] == 0 and opts["bucketing"] == 0
+    assert parse_method_spec("bastion[blocks=8/16]")[1] == {"blocks": (8, 16)}
+    with pytest.raises(Exception, match="tables"):
+        get_method(recguide)          # an empty JSON is not a survival table: a clear error

@@ -26,7 +26,7 @@ ALIASES = {"corr": "max_corrections", "cont": "continuation", "t": "threshold",
 
 def parse_method_spec(spec: str) -> tuple[str, dict]:
     """`name[key=value;key=value]` -> (name, options). Values: ints, floats, 0/1 for flags,
-    `8/16/32` for tuples, strings otherwise."""
+    `8/16/32` for tuples of ints, strings otherwise (a path keeps its slashes)."""
     spec = spec.strip()
     if "[" not in spec:
         return spec, {}
@@ -40,8 +40,11 @@ def parse_method_spec(spec: str) -> tuple[str, dict]:
             raise FastspecError(f"method spec {spec!r}: {item!r} is not key=value")
         key = ALIASES.get(key.strip(), key.strip())
         value = value.strip()
-        if "/" in value:
-            options[key] = tuple(int(v) for v in value.split("/"))
+        parts = value.split("/")
+        if len(parts) > 1 and all(v.strip().isdigit() for v in parts):
+            options[key] = tuple(int(v) for v in parts)       # 8/16/32
+        elif "/" in value:
+            options[key] = value                              # a path (tables=profiles/x.json)
         else:
             for cast in (int, float):
                 try:
