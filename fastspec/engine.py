@@ -480,8 +480,8 @@ class Engine:
         n = len(slots)
         if meth.bucketing:
             rows, width = batch_bucket(n), plan.block
-        else:    # one step for everyone: the widest block, the bucket of the whole batch
-            rows, width = batch_bucket(concurrency), meth.max_block()
+        else:    # one step for everyone, at the widest block any of them drafts this round
+            rows, width = batch_bucket(concurrency), max(blocks)     # (the whole batch's bucket)
         pad = rows - n
         dev = self.device
         slot_t = torch.tensor(slots + [self.trash] * pad, device=dev)

@@ -8,6 +8,7 @@ from conftest import tiny_loaded
 from fastspec.draft import AdapterConfig, attach_adapter
 from fastspec.engine import Engine
 from fastspec.layout import cache_mask, causal_block
+from fastspec.methods.base import Plan
 from fastspec.graphs.keys import GraphKey
 from fastspec.convention import FASTSPEC, draft_block_mask
 from fastspec.methods.linear import BLOCK_SIZES, LinearSS
@@ -164,3 +165,23 @@ def test_bucketed_block_sizes_run_in_their_own_steps_and_equal_ar():
     assert [c.token_ids for c in out] == [c.token_ids for c in ar]
     keys = {(k.batch, k.block) for k in engine.runner.stats() if k.method == "linear"}
     assert {(2, 4), (2, 8), (2, 16), (2, 32)} <= keys      # two requests of each size per step
+
+
+def test_without_bucketing_a_round_is_padded_to_its_own_widest_block():
+    """Requests of 4 and 8 in one step run at width 8, not at the method's largest block (32):
+    without bucketing every request pays for the round's widest block, no more."""
+    class FourAndEight(PerRequestBlocks):
+        def block_for(self, seq) -> int:
+            return (4, 8)[seq.index % 2]
+
+        def plans(self):
+            return [Plan(4), Plan(8)]
+
+    engine = drafting_engine(seed=2)
+    prompts = random_prompts(4, seed=3)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ar = engine.generate(prompts, params, method="ar", concurrency=4)
+    out = engine.generate(prompts, params, method=FourAndEight(), concurrency=4)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    widths = {k.block for k in engine.runner.stats() if k.method == "linear" and k.batch == 4}
+    assert 8 in widths and 32 not in widths

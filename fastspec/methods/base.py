@@ -75,8 +75,8 @@ class Method:
     layout = "?"                    # the GraphKey layout of a round
     forwards = 1                    # model forwards per round (see forwards_for)
     # True: rows with different blocks run in separate steps, each padded to its own bucket.
-    # False: one step for every row at the widest block, padded to the bucket of the whole batch
-    # (one compiled key for the run, however requests drain).
+    # False: one step for every row, at the widest block any of them drafts this round, padded
+    # to the bucket of the whole batch (one key per block size, however requests drain).
     bucketing = False
     timed = False                   # True: the planner reads measured step times (costs a sync on GPU)
 
