@@ -39,10 +39,15 @@ class Packed:
 
 def setup_inductor_cache() -> None:
     """Point inductor's on-disk caches at $FASTSPEC_CACHE/inductor (default ~/.cache/fastspec)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     from fastspec.files import cache_dir
     path = str(cache_dir() / "inductor")
     os.makedirs(path, exist_ok=True)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", path)
+    # Inductor writes its default into the environment on first use, so "unset" also means
+    # "set to that default" (a user's own TORCHINDUCTOR_CACHE_DIR is kept).
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
 
 
@@ -100,8 +105,12 @@ def _to_skinny(graph: torch.fx.Graph, node: torch.fx.Node, kernel, panels, scale
     x, _, bias = _linear_args(node)
     with graph.inserting_before(node):
         y = graph.call_function(kernel.ops.skinny_linear.default, (x, panels, scales, out_features))
+        # The linear's metadata (example value: same shape and dtype) lets AOTAutograd's cache
+        # key a graph that calls methods on the result (`y.view(...)`).
+        y.meta.update(node.meta)
         if bias is not None:
             y = graph.call_function(torch.add, (y, bias))
+            y.meta.update(node.meta)
     node.replace_all_uses_with(y)
     graph.erase_node(node)
 

@@ -228,3 +228,26 @@ def test_moved_cache_recaptures_without_recompiling(drafter, compiler):
     st = runner.stats()[key]
     assert st.get("captures") == 3 and st["compiles"] == (0 if compiler == "none" else 1)
     drafter.model.to("cpu")
+
+
+def test_a_compiled_step_comes_back_from_the_disk_caches(tmp_path, monkeypatch):
+    """fastspec's backend hands inductor graphs that AOTAutograd can key (the skinny GEMM's node
+    carries the linear's metadata): compiled again after dynamo forgot it, in a cache under
+    $FASTSPEC_CACHE, the step comes from the disk caches without tracing it again (what makes
+    a second run's warm-up short)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from fastspec.engine import Engine
+    from fastspec.sampling import SamplingParams
+    monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    t = tiny_loaded()
+    aot = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        counters.clear()
+        Engine(t, backend="compile").generate([[5, 6, 7]], SamplingParams(max_new_tokens=3))
+        aot.append(dict(counters["aot_autograd"]))
+    assert (tmp_path / "inductor").is_dir() and any((tmp_path / "inductor").iterdir())
+    assert not any("bypass" in k for run in aot for k in run), aot
+    assert aot[0].get("autograd_cache_saved", 0) >= 1 and aot[1].get("autograd_cache_hit", 0) >= 1, aot
