@@ -142,13 +142,19 @@ class PerRequestBlocks(LinearSS):
         return BLOCK_SIZES[seq.index % len(BLOCK_SIZES)]
 
 
+def equals_ar(engine, method, n, seed, max_new_tokens, concurrency):
+    """Decode n random prompts with `method` and with AR; assert the tokens are equal."""
+    prompts = random_prompts(n, seed=seed)
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    ar = engine.generate(prompts, params, method="ar", concurrency=concurrency)
+    out = engine.generate(prompts, params, method=method, concurrency=concurrency)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    return out
+
+
 def test_requests_with_different_block_sizes_share_one_batch_and_equal_ar():
     engine = drafting_engine(seed=2)
-    prompts = random_prompts(8, seed=7)
-    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    ar = engine.generate(prompts, params, method="ar", concurrency=8)
-    out = engine.generate(prompts, params, method=PerRequestBlocks(), concurrency=8)
-    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    out = equals_ar(engine, PerRequestBlocks(), 8, seed=7, max_new_tokens=40, concurrency=8)
     for c in out:        # a round commits at most the request's own block (seed + drafts)
         assert max(c.accept_lengths) <= BLOCK_SIZES[c.index % len(BLOCK_SIZES)]
     assert engine.runner.stats()[GraphKey(8, 32, "linear", method="linear")]["calls"] >= 2
@@ -158,11 +164,7 @@ def test_bucketed_block_sizes_run_in_their_own_steps_and_equal_ar():
     """With bucketing, requests run in one step per block size over their own slots (nobody is
     padded to the widest block), and the output is still AR's."""
     engine = drafting_engine(seed=2)
-    prompts = random_prompts(8, seed=7)
-    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    ar = engine.generate(prompts, params, method="ar", concurrency=8)
-    out = engine.generate(prompts, params, method=PerRequestBlocks(bucketing=True), concurrency=8)
-    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    equals_ar(engine, PerRequestBlocks(bucketing=True), 8, seed=7, max_new_tokens=40, concurrency=8)
     keys = {(k.batch, k.block) for k in engine.runner.stats() if k.method == "linear"}
     assert {(2, 4), (2, 8), (2, 16), (2, 32)} <= keys      # two requests of each size per step
 
@@ -178,10 +180,6 @@ def test_without_bucketing_a_round_is_padded_to_its_own_widest_block():
             return [Plan(4), Plan(8)]
 
     engine = drafting_engine(seed=2)
-    prompts = random_prompts(4, seed=3)
-    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    ar = engine.generate(prompts, params, method="ar", concurrency=4)
-    out = engine.generate(prompts, params, method=FourAndEight(), concurrency=4)
-    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    equals_ar(engine, FourAndEight(), 4, seed=3, max_new_tokens=24, concurrency=4)
     widths = {k.block for k in engine.runner.stats() if k.method == "linear" and k.batch == 4}
     assert 8 in widths and 32 not in widths
