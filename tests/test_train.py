@@ -399,6 +399,7 @@ def test_benchmark_data_is_refused(tmp_path, monkeypatch):
 
 
 def test_warm_start_from_a_saved_adapter(tmp_path):
+    from fastspec.draft import read_adapter
     examples = random_examples(3)
     a = DraftTrainer(tiny_loaded().model, examples, small_cfg(), out_dir=tmp_path / "a")
     a.train_step()
@@ -407,6 +408,7 @@ def test_warm_start_from_a_saved_adapter(tmp_path):
     for pa, pb in zip(a.params, b.params):
         assert torch.equal(pa.half().float(), pb)                  # fp16 on disk
     assert b.meta["init_adapter"] == str(tmp_path / "a")
+    assert b.meta["init_adapter_meta"] == read_adapter(str(tmp_path / "a"))[0].meta   # lineage kept
     from fastspec.config import FastspecError
     with pytest.raises(FastspecError, match="rank"):
         DraftTrainer(tiny_loaded().model, examples, small_cfg(rank=8), init_adapter=tmp_path / "a")

@@ -559,6 +559,9 @@ class DraftTrainer(TrainLoop):
                                     f"{getattr(mine, k)}: use the same settings")
         set_adapter_state(self.model, sd, str(d))
         self.meta.setdefault("init_adapter", str(d))
+        # The lineage travels with the adapter: a warm start's own recipe, data and steps (the
+        # folder it came from may later hold this run's adapter).
+        self.meta.setdefault("init_adapter_meta", saved.meta)
 
     # --- sampling ---
     def _next_examples(self) -> list[Example]:
