@@ -108,7 +108,7 @@ DEFAULT_BLOCKS = "4:0.2,8:0.3,16:0.25,32:0.25"
 @click.option("--rank", type=int, default=32, show_default=True, help="LoRA rank.")
 @click.option("--alpha", type=float, default=None, help="LoRA alpha [default: 2 * rank].")
 @click.option("--targets", default="q,k,v,o", show_default=True,
-              help="Attention projections that get LoRA (among q,k,v,o).")
+              help="Projections that get LoRA: attention's q,k,v,o and the MLP's gate,up,down.")
 @click.option("--lr", type=float, default=1e-3, show_default=True, help="Peak learning rate.")
 @click.option("--warmup-steps", type=int, default=20, show_default=True)
 @click.option("--minutes", type=float, default=60.0, show_default=True,
@@ -121,7 +121,8 @@ DEFAULT_BLOCKS = "4:0.2,8:0.3,16:0.25,32:0.25"
 @click.option("--partial-prob", type=float, default=0.2, show_default=True,
               help="Chance that a block is partially masked instead of all-MASK.")
 @click.option("--init-adapter", type=click.Path(file_okay=False), default=None,
-              help="Start from this saved adapter (same rank/targets) instead of a fresh one; a "
+              help="Start from this saved adapter (same rank; its targets among this run's, new "
+                   "ones start as the identity) instead of a fresh one; a "
                    "checkpoint of --out, when resuming, wins.")
 @click.option("--gen-concurrency", type=int, default=16, show_default=True,
               help="Requests decoded together while generating the targets.")

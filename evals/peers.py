@@ -112,7 +112,10 @@ def run_hf_peers(loaded, prompt_ids: list[list[int]], params: SamplingParams, na
     runs = []
     for name in names:
         if name == "llama.cpp":
-            runs.append(_run_llamacpp(loaded, prompt_ids, params, eos))
+            try:
+                runs.append(_run_llamacpp(loaded, prompt_ids, params, eos))
+            except FastspecError as e:          # the peer is lost, not the run
+                log(str(e))
             continue
         hf = hf if hf is not None else peer_model(loaded)
         runs.append(_run_peer(hf, name, prompt_ids, params, eos, loaded.tokenizer))
@@ -130,14 +133,53 @@ def check_peers(names) -> None:
             raise FastspecError(LLAMACPP_MISSING)
 
 
+LLAMACPP_CRASHED = (
+    "llama.cpp crashed ({how}) decoding {name} on this CPU, so it is left out of the run. "
+    "On CPUs with AMX (Intel Sapphire Rapids and later) its AMX kernels for quantized weights are a "
+    "known cause (ggml-org/llama.cpp#20824); rebuild without them: CMAKE_ARGS=\"-DGGML_NATIVE=OFF "
+    "-DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF\" pip install "
+    "--force-reinstall --no-deps --no-cache-dir llama-cpp-python")
+
+# Decodes two tokens of a GGUF in a child process: a llama.cpp crash (a native segfault) must
+# cost the peer, not the fastspec run it is compared with.
+_PROBE = """
+import sys, llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_batch=64, n_threads=int(sys.argv[2]),
+                      n_threads_batch=int(sys.argv[2]), verbose=False, seed=0)
+for i, _ in enumerate(llm.generate([1, 2, 3, 4], top_k=1, temp=0.0)):
+    if i:
+        break
+"""
+
+
+def probe_llamacpp(path: Path, threads: int, timeout_s: float = 300.0) -> None:
+    """Raise a one-line FastspecError unless llama.cpp loads and decodes `path` in a child process."""
+    import signal
+    import subprocess
+    try:
+        r = subprocess.run([sys.executable, "-c", _PROBE, str(path), str(threads)], capture_output=True,
+                           text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise FastspecError(f"llama.cpp did not decode {path.name} within {timeout_s:.0f} s; "
+                            "left out of the run") from None
+    if r.returncode < 0:
+        how = signal.Signals(-r.returncode).name
+        raise FastspecError(LLAMACPP_CRASHED.format(how=how, name=path.name))
+    if r.returncode:
+        last = (r.stderr.strip().splitlines() or ["no message"])[-1]
+        raise FastspecError(f"llama.cpp failed on {path.name}: {last}")
+
+
 def llamacpp_model(loaded, directory):
-    """A llama_cpp.Llama on a GGUF of the engine's weights at their precision, in `directory`."""
+    """A llama_cpp.Llama on a GGUF of the engine's weights at their precision, in `directory`
+    (the GGUF is first decoded in a child process: see probe_llamacpp)."""
     import llama_cpp
     from fastspec.model.gguf_writer import source_gguf, write_gguf
     from fastspec.weights import weight_precision
     precision = weight_precision(loaded.model)
     path = write_gguf(loaded.model, Path(directory) / f"fastspec-{precision}.gguf", precision,
                       tokenizer_from=source_gguf(loaded), chat_template=loaded.chat_template)
+    probe_llamacpp(path, torch.get_num_threads())
     ctx = min(loaded.cfg.max_position_embeddings, loaded.model.rope_cos.shape[0])
     return llama_cpp.Llama(model_path=str(path), n_ctx=ctx, n_batch=512, n_threads=torch.get_num_threads(),
                            n_threads_batch=torch.get_num_threads(), verbose=False, seed=0)

@@ -12,6 +12,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from fastspec.config import FastspecError
 from fastspec.sampling import SamplingParams
 
 PROMPTS = [
@@ -88,7 +89,6 @@ def forward_times(loaded, batch: int, ns: list[int], context: int, backend: str 
 def run_speed(*, model, new_tokens, batches, ns, context, hf, json_out, console: Console,
               device="auto", dtype="auto", backend="auto", bandwidth_mib: int = 1024,
               weights: str = "fp32", peers: list[str] = ()):
-    from fastspec.config import FastspecError
     from fastspec.engine import Engine
     from fastspec.files import check_writable, write_json
     from fastspec.graphs.profile import (LAYOUTS, check_grid, measure_bandwidth, ran_backend,
@@ -122,15 +122,21 @@ def run_speed(*, model, new_tokens, batches, ns, context, hf, json_out, console:
                   f"{weight_bytes / 1e6:.0f} MB of weights per step; read bandwidth {bw:.1f} GB/s -> "
                   f"floor {floor_ms:.1f} ms/token at batch 1", highlight=False)
     hf_model = hf_model_from(loaded) if hf else None
-    gguf_dir = llm = None
+    gguf_dir = llm = llamacpp_error = None
     if "llama.cpp" in peers:
         import tempfile
         from fastspec.evals.peers import llamacpp_model
         gguf_dir = tempfile.TemporaryDirectory(prefix="fastspec-gguf-")
-        llm = llamacpp_model(loaded, gguf_dir.name)
+        try:
+            llm = llamacpp_model(loaded, gguf_dir.name)
+        except FastspecError as e:           # the peer is lost, not fastspec's own figures
+            console.print(f"[yellow]{e}[/]")
+            llamacpp_error = str(e)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     result = {"model": model, "environment": env, "bandwidth_gbs": bw, "weight_bytes": weight_bytes,
               "floor_ms": floor_ms, "generate": [], "forward": []}
+    if llamacpp_error:
+        result["llamacpp_error"] = llamacpp_error
 
     gen = Table(title=f"AR decoding, greedy, {new_tokens} new tokens")
     cols = ["batch", "fastspec tok/s", "ms/step", "% of floor", "HF generate tok/s", "speedup", "same tokens"]

@@ -1,6 +1,6 @@
 """The draft adapter: what turns an AR backbone into a self-speculative drafter.
 
-LoRA on the attention projections plus a learned MASK embedding, switched on per token by the
+LoRA on the attention projections (optionally the MLP's too) plus a learned MASK embedding, switched on per token by the
 model's `adapter_on` flag (draft tokens) and off for everything the verifier sees, so verification
 is exactly the base model. Stored as `adapter.safetensors` + `adapter_config.json` in a `draft/`
 folder beside (or inside) the checkpoint.
@@ -33,6 +33,8 @@ from fastspec.model.llama import LlamaModel, LoRA
 ADAPTER_FILE = "adapter.safetensors"
 CONFIG_FILE = "adapter_config.json"
 CALIBRATION_FILE = "calibration.json"
+ATTN_TARGETS = ("q", "k", "v", "o")
+MLP_TARGETS = ("gate", "up", "down")     # LoRA on the MLP: capacity for long blocks
 
 
 @dataclass
@@ -54,23 +56,27 @@ def attach_adapter(model: LlamaModel, cfg: AdapterConfig, seed: int = 0) -> Llam
     if cfg.mask_token_id < 0:
         cfg.mask_token_id = mcfg.vocab_size
     g = torch.Generator().manual_seed(seed)
-    dims = {"q": (mcfg.hidden_size, mcfg.num_heads * mcfg.head_dim),
-            "k": (mcfg.hidden_size, mcfg.num_kv_heads * mcfg.head_dim),
-            "v": (mcfg.hidden_size, mcfg.num_kv_heads * mcfg.head_dim),
-            "o": (mcfg.num_heads * mcfg.head_dim, mcfg.hidden_size)}
+    h, inter = mcfg.hidden_size, mcfg.intermediate_size
+    dims = {"q": (h, mcfg.num_heads * mcfg.head_dim),
+            "k": (h, mcfg.num_kv_heads * mcfg.head_dim),
+            "v": (h, mcfg.num_kv_heads * mcfg.head_dim),
+            "o": (mcfg.num_heads * mcfg.head_dim, h),
+            "gate": (h, inter), "up": (h, inter), "down": (inter, h)}
     unknown = set(cfg.targets) - set(dims)
     if unknown:
-        raise FastspecError(f"unknown adapter targets {sorted(unknown)} (choose among q, k, v, o)")
+        raise FastspecError(f"unknown adapter targets {sorted(unknown)} "
+                            f"(choose among {', '.join(ATTN_TARGETS + MLP_TARGETS)})")
     ref = model.embed
     fp32 = conv.lora_dtype == "fp32"
     for blk in model.layers:
-        loras = nn.ModuleDict()
-        for t in cfg.targets:
-            lora = LoRA(*dims[t], rank=cfg.rank, alpha=cfg.alpha, fp32=fp32)
-            with torch.no_grad():
-                lora.A.copy_(torch.randn(lora.A.shape, generator=g) / dims[t][0] ** 0.5)
-            loras[t] = lora
-        blk.attn.lora = loras.to(ref.device, torch.float32 if fp32 else ref.dtype)
+        for part, names in ((blk.attn, ATTN_TARGETS), (blk.mlp, MLP_TARGETS)):
+            loras = nn.ModuleDict()
+            for t in (t for t in cfg.targets if t in names):
+                lora = LoRA(*dims[t], rank=cfg.rank, alpha=cfg.alpha, fp32=fp32)
+                with torch.no_grad():
+                    lora.A.copy_(torch.randn(lora.A.shape, generator=g) / dims[t][0] ** 0.5)
+                loras[t] = lora
+            part.lora = loras.to(ref.device, torch.float32 if fp32 else ref.dtype) if len(loras) else None
     # The MASK embedding starts at the mean token embedding: a neutral "some token" input
     # (summed in fp32 by chunks: a bf16 mean would upcast the whole vocabulary at once).
     total = sum(chunk.float().sum(0) for chunk in ref.detach().split(4096))
@@ -82,19 +88,26 @@ def attach_adapter(model: LlamaModel, cfg: AdapterConfig, seed: int = 0) -> Llam
     return model
 
 
+def adapter_loras(model: LlamaModel):
+    """(layer, target, LoRA) for every attached LoRA: attention's, then the MLP's."""
+    for i, blk in enumerate(model.layers):
+        for part in (blk.attn, blk.mlp):
+            for t, lora in (part.lora or {}).items():
+                yield i, t, lora
+
+
 def adapter_state(model: LlamaModel) -> dict[str, torch.Tensor]:
     sd = {"mask_embed": model.mask_embed.detach()}
-    for i, blk in enumerate(model.layers):
-        for t, lora in (blk.attn.lora or {}).items():
-            sd[f"layers.{i}.{t}.A"] = lora.A.detach()
-            sd[f"layers.{i}.{t}.B"] = lora.B.detach()
+    for i, t, lora in adapter_loras(model):
+        sd[f"layers.{i}.{t}.A"] = lora.A.detach()
+        sd[f"layers.{i}.{t}.B"] = lora.B.detach()
     return sd
 
 
 def adapter_parameters(model: LlamaModel) -> list[nn.Parameter]:
     params = [model.mask_embed]
-    for blk in model.layers:
-        params += list(blk.attn.lora.parameters()) if blk.attn.lora is not None else []
+    for _, _, lora in adapter_loras(model):
+        params += [lora.A, lora.B]
     return params
 
 
@@ -124,13 +137,15 @@ def read_adapter(directory: str) -> tuple[AdapterConfig, dict[str, torch.Tensor]
         raise FastspecError(f"cannot read draft adapter in {directory}: {e}") from None
 
 
-def set_adapter_state(model: LlamaModel, sd: dict[str, torch.Tensor], where: str = "adapter") -> None:
-    """Copy `adapter_state`-named tensors into the model's attached adapter."""
+def set_adapter_state(model: LlamaModel, sd: dict[str, torch.Tensor], where: str = "adapter",
+                      only: tuple[str, ...] | None = None) -> None:
+    """Copy `adapter_state`-named tensors into the model's attached adapter (`only`: just these
+    targets, the others keep their values: a warm start that adds targets to its parent's)."""
     with torch.no_grad():
         try:
             model.mask_embed.copy_(sd["mask_embed"])
-            for i, blk in enumerate(model.layers):
-                for t, lora in blk.attn.lora.items():
+            for i, t, lora in adapter_loras(model):
+                if only is None or t in only:
                     lora.A.copy_(sd[f"layers.{i}.{t}.A"])
                     lora.B.copy_(sd[f"layers.{i}.{t}.B"])
         except (KeyError, RuntimeError) as e:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import tiny_loaded
-from fastspec.draft import AdapterConfig, attach_adapter
+from fastspec.draft import AdapterConfig, adapter_loras, attach_adapter
 from fastspec.engine import Engine
 from fastspec.layout import cache_mask, causal_block
 from fastspec.methods.base import Plan
@@ -16,13 +16,12 @@ from fastspec.sampling import SamplerState, SamplingParams, filtered_logprobs
 from fastspec.verify import accept_chain
 
 
-def drafting_engine(seed=0):
+def drafting_engine(seed=0, targets=("q", "k", "v", "o")):
     loaded = tiny_loaded(seed)
-    attach_adapter(loaded.model, AdapterConfig(rank=4), seed=seed)
+    attach_adapter(loaded.model, AdapterConfig(rank=4, targets=targets), seed=seed)
     g = torch.Generator().manual_seed(seed)
-    for blk in loaded.model.layers:
-        for lora in blk.attn.lora.values():
-            lora.B.data.copy_(torch.randn(lora.B.shape, generator=g) * 0.1)
+    for _, _, lora in adapter_loras(loaded.model):
+        lora.B.data.copy_(torch.randn(lora.B.shape, generator=g) * 0.1)
     loaded.model.requires_grad_(False)
     return Engine(loaded, backend="eager")
 
@@ -60,6 +59,20 @@ def test_greedy_linear_equals_ar_token_for_token(block, concurrency):
     # (except a last round cut short by max_new_tokens).
     for c in lin:
         assert min(c.accept_lengths[:-1], default=2) >= 2
+
+
+def test_mlp_lora_acts_on_draft_tokens_only_and_linear_still_equals_ar():
+    """LoRA on the MLP is part of the draft adapter: it changes a token's MLP output only where the
+    adapter flag is on, so the verifier is the base model and greedy LinearSS equals AR."""
+    engine = drafting_engine(seed=3, targets=("q", "k", "v", "o", "gate", "up", "down"))
+    mlp = engine.model.layers[0].mlp
+    x = torch.randn(1, 3, mlp.w_down.shape[0])
+    flags = torch.tensor([[1.0], [0.0], [1.0]])[None]          # draft, verify, draft
+    base = mlp(x)
+    out = mlp(x, flags)
+    assert torch.equal(out[:, 1], base[:, 1])
+    assert not torch.allclose(out[:, 0], base[:, 0]) and not torch.allclose(out[:, 2], base[:, 2])
+    equals_ar(engine, "linear", 4, seed=11, max_new_tokens=30, concurrency=2)
 
 
 def test_seed_prediction_is_exactly_the_verifier_next_token():

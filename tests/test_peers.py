@@ -110,3 +110,26 @@ def test_llama_cpp_greedy_equals_fastspec_ar_on_the_same_weights(loaded):
     run, = run_hf_peers(loaded, PROMPTS, params, names=("llama.cpp",))
     assert [c.token_ids for c in run.completions] == [c.token_ids for c in ar]
     assert run.stats.new_tokens == 36 and run.stats.tokens_per_forward == 1.0
+
+
+def test_a_llama_cpp_crash_is_one_line_and_costs_the_peer_not_the_run(monkeypatch, tmp_path):
+    """llama.cpp is probed in a child process: a native crash there (as its AMX kernels do on some
+    CPUs) becomes one line naming the signal and the fix, and the other peers still run."""
+    import fastspec.evals.peers as peers
+    monkeypatch.setattr(peers, "_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    with pytest.raises(FastspecError, match="crashed \\(SIGSEGV\\).*AMX") as e:
+        peers.probe_llamacpp(tmp_path / "model.gguf", threads=1)
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(peers, "_PROBE", "import sys; sys.exit('no such file')")
+    with pytest.raises(FastspecError, match="failed on model.gguf: no such file"):
+        peers.probe_llamacpp(tmp_path / "model.gguf", threads=1)
+
+    def crashed(*a, **k):
+        raise FastspecError("llama.cpp crashed (SIGSEGV)")
+    monkeypatch.setattr(peers, "check_peers", lambda names: None)
+    monkeypatch.setattr(peers, "_run_llamacpp", crashed)
+    logged = []
+    loaded = tiny_loaded()
+    runs = run_hf_peers(loaded, PROMPTS[:1], SamplingParams(max_new_tokens=4), names=("llama.cpp", "hf"),
+                        log=logged.append)
+    assert [r.name for r in runs] == ["hf"] and logged == ["llama.cpp crashed (SIGSEGV)"]

@@ -414,6 +414,31 @@ def test_warm_start_from_a_saved_adapter(tmp_path):
         DraftTrainer(tiny_loaded().model, examples, small_cfg(rank=8), init_adapter=tmp_path / "a")
 
 
+def test_a_warm_start_can_add_mlp_lora_to_an_attention_adapter(tmp_path):
+    """The parent's attention LoRA comes over exactly; the new MLP LoRA starts as the identity
+    (B = 0), so the warm-started drafter drafts what its parent drafted, then trains the MLP too."""
+    from fastspec.draft import adapter_loras
+    examples = random_examples(3)
+    a = DraftTrainer(tiny_loaded().model, examples, small_cfg(), out_dir=tmp_path / "a")
+    a.train_step()
+    a.save_adapter()
+    b = DraftTrainer(tiny_loaded().model, examples, small_cfg(targets=("q", "k", "v", "o", "gate", "up", "down")),
+                     init_adapter=tmp_path / "a")
+    parent = {(i, t): lora for i, t, lora in adapter_loras(a.model)}
+    mine = {(i, t): lora for i, t, lora in adapter_loras(b.model)}
+    assert {t for _, t in mine} == {"q", "k", "v", "o", "gate", "up", "down"}
+    for key, lora in mine.items():
+        if key[1] in ("gate", "up", "down"):
+            assert not lora.B.any()
+        else:
+            assert torch.equal(parent[key].B.half().float(), lora.B)
+    b.train_step()
+    assert all(lora.B.any() for (_, t), lora in mine.items() if t in ("gate", "up", "down"))
+    from fastspec.config import FastspecError
+    with pytest.raises(FastspecError, match="targets"):     # dropping a parent's target is refused
+        DraftTrainer(tiny_loaded().model, examples, small_cfg(targets=("q", "v")), init_adapter=tmp_path / "a")
+
+
 def test_train_drafter_command_end_to_end(tmp_path, monkeypatch):
     from click.testing import CliRunner
 

@@ -108,10 +108,19 @@ class MLP(nn.Module):
         self.inter = cfg.intermediate_size
         self.w_gate_up = nn.Parameter(torch.empty(2 * cfg.intermediate_size, cfg.hidden_size))
         self.w_down = nn.Parameter(torch.empty(cfg.hidden_size, cfg.intermediate_size))
+        self.lora: nn.ModuleDict | None = None   # keys among gate, up, down (draft adapter)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, adapter_gate: torch.Tensor | None = None) -> torch.Tensor:
         gate, up = F.linear(x, self.w_gate_up).split(self.inter, dim=-1)
-        return F.linear(F.silu(gate) * up, self.w_down)
+        lora = self.lora if adapter_gate is not None else None
+        if lora is not None:
+            gate = gate + lora["gate"](x, adapter_gate) if "gate" in lora else gate
+            up = up + lora["up"](x, adapter_gate) if "up" in lora else up
+        h = F.silu(gate) * up
+        y = F.linear(h, self.w_down)
+        if lora is not None and "down" in lora:
+            y = y + lora["down"](h, adapter_gate)
+        return y
 
 
 class Block(nn.Module):
@@ -125,7 +134,7 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, k_layer, v_layer, write_cols, mask, slots, adapter_gate, q_scale=None):
         x = x + self.attn(self.attn_norm(x), cos, sin, k_layer, v_layer, write_cols, mask, slots,
                           adapter_gate, q_scale)
-        return x + self.mlp(self.mlp_norm(x))
+        return x + self.mlp(self.mlp_norm(x), adapter_gate)
 
 
 def regional_compile() -> bool:

@@ -40,7 +40,9 @@ ARCHITECTURE = "NemotronLabsDiffusionModel"
 LORA_DIR = "linear_spec_lora"
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
-_TARGETS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o"}
+_TARGETS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
+            "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 
 def is_nld_config(hf: dict) -> bool:
@@ -108,16 +110,17 @@ def load_linear_spec_lora(model, directory: str | Path, mask_token_id: int, bloc
     attach_adapter(model, cfg)
 
     def take(layer: int, module: str, which: str) -> torch.Tensor:
+        part = "mlp" if module in _MLP_MODULES else "self_attn"
         for prefix in ("base_model.model.encoder.", "base_model.model.model.", "encoder.", "model.", ""):
-            key = f"{prefix}layers.{layer}.self_attn.{module}.lora_{which}.weight"
+            key = f"{prefix}layers.{layer}.{part}.{module}.lora_{which}.weight"
             if key in sd:
                 return sd[key]
-        raise FastspecError(f"NLD adapter {d} lacks layers.{layer}.self_attn.{module}.lora_{which}")
+        raise FastspecError(f"NLD adapter {d} lacks layers.{layer}.{part}.{module}.lora_{which}")
 
     with torch.no_grad():
         for i, blk in enumerate(model.layers):
             for module in modules:
-                lora = blk.attn.lora[_TARGETS[module]]
+                lora = (blk.mlp if module in _MLP_MODULES else blk.attn).lora[_TARGETS[module]]
                 a, b = take(i, module, "A"), take(i, module, "B")
                 if a.shape != lora.A.shape or b.shape != lora.B.shape:
                     raise FastspecError(f"NLD adapter {module} of layer {i}: shapes {list(a.shape)}, "

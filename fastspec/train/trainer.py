@@ -45,8 +45,9 @@ from safetensors.torch import load_file, save_file
 from fastspec.config import FastspecError
 from fastspec.convention import (CONVENTIONS, FASTSPEC, DraftConvention, draft_adapter_flags,
                                  draft_block_mask)
-from fastspec.draft import (AdapterConfig, adapter_parameters, adapter_state, attach_adapter,
-                            read_adapter, save_adapter, set_adapter_state)
+from fastspec.draft import (ATTN_TARGETS, MLP_TARGETS, AdapterConfig, adapter_loras,
+                            adapter_parameters, adapter_state, attach_adapter, read_adapter,
+                            save_adapter, set_adapter_state)
 from fastspec.layout import cache_mask, causal_block
 from fastspec.train.data import Example
 
@@ -108,8 +109,9 @@ class TrainConfig:
                   (self.blocks_per_seq >= 1, "--blocks-per-seq must be >= 1"),
                   (self.seqs_per_step >= 1, "--seqs-per-step must be >= 1"),
                   (self.rank >= 1, "--rank must be >= 1"),
-                  (bool(self.targets) and set(self.targets) <= set("qkvo"),
-                   f"--targets must be among q,k,v,o, got {','.join(self.targets) or 'nothing'}"),
+                  (bool(self.targets) and set(self.targets) <= set(ATTN_TARGETS + MLP_TARGETS),
+                   f"--targets must be among {','.join(ATTN_TARGETS + MLP_TARGETS)}, "
+                   f"got {','.join(self.targets) or 'nothing'}"),
                   (self.lr > 0, "--lr must be > 0"),
                   (self.minutes > 0, "--minutes must be > 0"),
                   (0 <= self.kl_weight <= 1, "--kl-weight must be in [0, 1]"),
@@ -553,11 +555,15 @@ class DraftTrainer(TrainLoop):
     def _init_from(self, d: Path) -> None:
         saved, sd = read_adapter(str(d))
         mine = self.adapter_cfg
-        for k in ("rank", "targets", "mask_token_id"):
+        for k in ("rank", "mask_token_id"):
             if getattr(saved, k) != getattr(mine, k):
                 raise FastspecError(f"--init-adapter {d} has {k}={getattr(saved, k)}, this run "
                                     f"{getattr(mine, k)}: use the same settings")
-        set_adapter_state(self.model, sd, str(d))
+        # A run may add targets to its parent's (e.g. the MLP's): those start as the identity.
+        if not set(saved.targets) <= set(mine.targets):
+            raise FastspecError(f"--init-adapter {d} has targets {','.join(saved.targets)}, not all "
+                                f"among this run's {','.join(mine.targets)}")
+        set_adapter_state(self.model, sd, str(d), only=tuple(saved.targets))
         self.meta.setdefault("init_adapter", str(d))
         # The lineage travels with the adapter: a warm start's own recipe, data and steps (the
         # folder it came from may later hold this run's adapter).
@@ -655,10 +661,9 @@ class DraftTrainer(TrainLoop):
                                 "another --out")
         with torch.no_grad():
             self.model.mask_embed.copy_(tensors["adapter.mask_embed"])
-            for i, blk in enumerate(self.model.layers):
-                for t, lora in blk.attn.lora.items():
-                    lora.A.copy_(tensors[f"adapter.layers.{i}.{t}.A"])
-                    lora.B.copy_(tensors[f"adapter.layers.{i}.{t}.B"])
+            for i, t, lora in adapter_loras(self.model):
+                lora.A.copy_(tensors[f"adapter.layers.{i}.{t}.A"])
+                lora.B.copy_(tensors[f"adapter.layers.{i}.{t}.B"])
         opt_sd = self.opt.state_dict()
         state = {}
         for key, st in scalars["opt_steps"].items():
