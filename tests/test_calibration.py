@@ -277,8 +277,15 @@ def test_bench_json_carries_calibration_for_a_drafting_method_and_not_for_ar(tmp
         assert sum(r["count"] for r in m["reliability"]) == m["positions"]
         assert m["by_index"][0]["index"] == 1 and {i["index"] for i in m["by_index"]} <= {1, 2}
         assert cal["collect_s"] >= 0
-    # Greedy: the same drafts at every concurrency.
-    assert runs[("linear", 1)]["calibration"]["all"] == runs[("linear", 2)]["calibration"]["all"]
+    # Greedy: the same drafts at every concurrency (the float sums may differ in the last bits:
+    # C=2 collects the same rows in another order).
+    def rounded(x):
+        if isinstance(x, float):
+            return float(f"{x:.9g}")
+        if isinstance(x, dict):
+            return {k: rounded(v) for k, v in x.items()}
+        return [rounded(v) for v in x] if isinstance(x, list) else x
+    assert rounded(runs[("linear", 1)]["calibration"]["all"]) == rounded(runs[("linear", 2)]["calibration"]["all"])
     assert "Draft calibration — C=1" in text and "AUC risk" in text
     # --plot draws the reliability diagram beside the other plots.
     plotted = cli("bench", "--plot", str(out))
