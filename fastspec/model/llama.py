@@ -51,6 +51,15 @@ class LoRA(nn.Module):
         return F.linear(F.linear(x, self.A), self.B) * (self.scale * gate)
 
 
+def lora_delta(lora: nn.ModuleDict | None, name: str, x: torch.Tensor,
+               gate: torch.Tensor | None) -> torch.Tensor | None:
+    """The draft adapter's delta for projection `name` of input x, or None (no LoRA there, or no
+    adapter gate: the verifier's forward)."""
+    if lora is None or gate is None or name not in lora:
+        return None
+    return lora[name](x, gate)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -63,11 +72,6 @@ class Attention(nn.Module):
         self.wo = nn.Parameter(torch.empty(cfg.hidden_size, q))
         self.lora: nn.ModuleDict | None = None   # keys among q, k, v, o
 
-    def _lora(self, name: str, x: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor | None:
-        if self.lora is None or gate is None or name not in self.lora:
-            return None
-        return self.lora[name](x, gate)
-
     def forward(self, x, cos, sin, k_layer, v_layer, write_cols, mask, slots, adapter_gate, q_scale=None):
         """k_layer, v_layer: this layer's cache [slots, kv_heads, max_len, head_dim] (a view of the
         model's cache, passed in rather than indexed by layer number here, so that every layer
@@ -76,7 +80,7 @@ class Attention(nn.Module):
         qkv = F.linear(x, self.wqkv, self.bqkv)
         q, k, v = qkv.split(self.split, dim=-1)
         if self.lora is not None and adapter_gate is not None:
-            q, k, v = [t if (d := self._lora(n, x, adapter_gate)) is None else t + d
+            q, k, v = [t if (d := lora_delta(self.lora, n, x, adapter_gate)) is None else t + d
                        for n, t in zip("qkv", (q, k, v))]
         q = apply_rope(q.view(B, N, self.n_heads, self.head_dim), cos, sin)
         if q_scale is not None:                       # [B, N, 1, 1]
@@ -97,7 +101,7 @@ class Attention(nn.Module):
             attn_mask=mask[:, None, :, :], enable_gqa=self.n_kv != self.n_heads)
         out = out.transpose(1, 2).reshape(B, N, self.n_heads * self.head_dim)
         y = F.linear(out, self.wo)
-        if (d := self._lora("o", out, adapter_gate)) is not None:
+        if (d := lora_delta(self.lora, "o", out, adapter_gate)) is not None:
             y = y + d
         return y
 
@@ -112,14 +116,14 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, adapter_gate: torch.Tensor | None = None) -> torch.Tensor:
         gate, up = F.linear(x, self.w_gate_up).split(self.inter, dim=-1)
-        lora = self.lora if adapter_gate is not None else None
-        if lora is not None:
-            gate = gate + lora["gate"](x, adapter_gate) if "gate" in lora else gate
-            up = up + lora["up"](x, adapter_gate) if "up" in lora else up
+        if (d := lora_delta(self.lora, "gate", x, adapter_gate)) is not None:
+            gate = gate + d
+        if (d := lora_delta(self.lora, "up", x, adapter_gate)) is not None:
+            up = up + d
         h = F.silu(gate) * up
         y = F.linear(h, self.w_down)
-        if lora is not None and "down" in lora:
-            y = y + lora["down"](h, adapter_gate)
+        if (d := lora_delta(self.lora, "down", h, adapter_gate)) is not None:
+            y = y + d
         return y
 
 

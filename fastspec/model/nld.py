@@ -80,7 +80,7 @@ def backbone_name(name: str) -> str:
 
 def load_linear_spec_lora(model, directory: str | Path, mask_token_id: int, block_size: int,
                           dlm_paradigm: str | None = None) -> None:
-    """Attach `linear_spec_lora/` (PEFT LoRA on the attention projections) as the draft adapter,
+    """Attach `linear_spec_lora/` (PEFT LoRA on the attention (and MLP) projections) as the draft adapter,
     with NLD's drafting convention (fp32 LoRA, no shift, bidirectional block, adapter at the seed)."""
     from safetensors.torch import load_file
 

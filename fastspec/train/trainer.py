@@ -45,9 +45,9 @@ from safetensors.torch import load_file, save_file
 from fastspec.config import FastspecError
 from fastspec.convention import (CONVENTIONS, FASTSPEC, DraftConvention, draft_adapter_flags,
                                  draft_block_mask)
-from fastspec.draft import (ATTN_TARGETS, MLP_TARGETS, AdapterConfig, adapter_loras,
-                            adapter_parameters, adapter_state, attach_adapter, read_adapter,
-                            save_adapter, set_adapter_state)
+from fastspec.draft import (ATTN_TARGETS, MLP_TARGETS, AdapterConfig, adapter_parameters,
+                            adapter_state, attach_adapter, read_adapter, save_adapter,
+                            set_adapter_state)
 from fastspec.layout import cache_mask, causal_block
 from fastspec.train.data import Example
 
@@ -659,11 +659,8 @@ class DraftTrainer(TrainLoop):
         if self.model_key and scalars.get("model_key") and scalars["model_key"] != self.model_key:
             raise FastspecError(f"checkpoint {f} belongs to another model: use --no-resume or "
                                 "another --out")
-        with torch.no_grad():
-            self.model.mask_embed.copy_(tensors["adapter.mask_embed"])
-            for i, t, lora in adapter_loras(self.model):
-                lora.A.copy_(tensors[f"adapter.layers.{i}.{t}.A"])
-                lora.B.copy_(tensors[f"adapter.layers.{i}.{t}.B"])
+        set_adapter_state(self.model, {k[len("adapter."):]: v for k, v in tensors.items()
+                                       if k.startswith("adapter.")}, str(f))
         opt_sd = self.opt.state_dict()
         state = {}
         for key, st in scalars["opt_steps"].items():
