@@ -75,6 +75,47 @@ def test_mlp_lora_acts_on_draft_tokens_only_and_linear_still_equals_ar():
     equals_ar(engine, "linear", 4, seed=11, max_new_tokens=30, concurrency=2)
 
 
+@pytest.mark.parametrize("targets", [("q", "k", "v", "o", "gate", "up", "down"), ("q", "v", "up", "down"), ("o",)])
+def test_fused_lora_drafts_what_the_per_target_loras_draft(targets):
+    """fuse_adapter (one A and one block-diagonal B per shared input: q/k/v, gate/up) is the same
+    adapter: the draft forward's logits match the per-target LoRAs, the verifier's are untouched,
+    and a later set_adapter_state refreshes the fused copy."""
+    from fastspec.draft import adapter_state, fuse_adapter, set_adapter_state
+    engine = drafting_engine(seed=5, targets=targets)
+    model = engine.model
+    engine.prepare(1, 64)
+    engine.sampler = SamplerState(1)
+    engine.cache.lengths.fill_(5)
+    ids = torch.tensor([[7] + [engine.mask_token_id] * 7])
+    draft_mask = draft_block_mask(FASTSPEC, torch.tensor([8]), 8)
+    on = torch.arange(8)[None] > 0
+
+    def forwards():
+        draft = engine.forward(ids, draft_mask, adapter_on=on)
+        verify = engine.forward(torch.tensor([[7, 1, 2, 3, 4, 5, 6, 8]]), causal_block(8))
+        return draft, verify
+
+    draft, verify = forwards()
+    fuse_adapter(model)
+    calls = {"qkv", "o", "gate_up", "down"} & {n for blk in model.layers[:1]
+                                                for part in (blk.attn, blk.mlp) for n in (part.fused or {})}
+    assert calls == ({"qkv"} if {"q", "k", "v"} & set(targets) else set()) | \
+        ({"o"} if "o" in targets else set()) | ({"gate_up"} if {"gate", "up"} & set(targets) else set()) | \
+        ({"down"} if "down" in targets else set())
+    fused_draft, fused_verify = forwards()
+    assert (fused_draft - draft).abs().max() < 1e-5
+    assert torch.equal(fused_verify, verify)
+    # Zero every B through set_adapter_state: the fused copy follows, so drafts become the base model's.
+    sd = {k: (torch.zeros_like(v) if k.endswith(".B") else v) for k, v in adapter_state(model).items()}
+    set_adapter_state(model, sd)
+    zero_draft, _ = forwards()
+    for blk in model.layers:
+        for part in (blk.attn, blk.mlp):
+            for fused in (part.fused or {}).values():
+                assert fused.B.abs().max() == 0
+    assert (zero_draft - fused_draft).abs().max() > 1e-4
+
+
 def test_seed_prediction_is_exactly_the_verifier_next_token():
     engine = drafting_engine()
     engine.prepare(1, 64)

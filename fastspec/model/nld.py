@@ -84,7 +84,7 @@ def load_linear_spec_lora(model, directory: str | Path, mask_token_id: int, bloc
     with NLD's drafting convention (fp32 LoRA, no shift, bidirectional block, adapter at the seed)."""
     from safetensors.torch import load_file
 
-    from fastspec.draft import AdapterConfig, attach_adapter
+    from fastspec.draft import AdapterConfig, attach_adapter, fuse_adapter
 
     d = Path(directory)
     try:
@@ -129,6 +129,7 @@ def load_linear_spec_lora(model, directory: str | Path, mask_token_id: int, bloc
                 lora.B.copy_(b)
         # MASK is a vocabulary token: its draft embedding is the trained row itself.
         model.mask_embed.copy_(model.embed[mask_token_id])
+    fuse_adapter(model)
 
 
 # --- load-memory check: `python -m fastspec.model.nld DIR [--layers 4]` -------------------------
