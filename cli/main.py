@@ -158,7 +158,8 @@ def cli():
 @click.option("--method", default="ar", show_default=True,
               help="Decoding method: ar (plain autoregressive), linear (LinearSS: draft a block, "
                    "verify it), recguide, libraspec, d2sd, bastion, tidar or dflash; options in "
-                   "brackets, e.g. 'bastion[budgets=8/16]'. Accepted draft tokens are shown in green.")
+                   "brackets, e.g. 'bastion[budgets=8/16]' or 'libraspec[drafter=dflash]' (draft with "
+                   "the model's DFlash drafter). Accepted draft tokens are shown in green.")
 @click.option("--block", type=int, default=8, show_default=True,
               help="Draft block size for speculative methods (4, 8, 16 or 32).")
 @click.option("--prompt", "-p", default=None, help="Answer this one prompt and exit.")

@@ -156,16 +156,19 @@ class Step:
 
     def forward(self, ids: torch.Tensor, block_mask: torch.Tensor,
                 adapter_on: torch.Tensor | None = None,
-                rel_positions: torch.Tensor | None = None) -> torch.Tensor:
+                rel_positions: torch.Tensor | None = None,
+                capture: tuple[int, ...] | None = None):
         """Logits [S, n, V] for n new tokens per row, written after each row's committed length.
         block_mask [n, n] or [S, n, n] among the new tokens; adapter_on [S, n] or None;
-        rel_positions [n] or [S, n]: RoPE positions relative to the committed length."""
+        rel_positions [n] or [S, n]: RoPE positions relative to the committed length;
+        capture: layers whose outputs come back too, (logits, hidden) (a DFlash drafter's)."""
         cols, mask, _ = block_placement(self.lengths, ids.shape[1], block_mask, self.ctx)
         pos = cols if rel_positions is None else self.lengths[:, None] + rel_positions
         # Tokens past the RoPE table are speculative garbage no request can commit (the budget
         # stops first); clamping keeps their lookup in range instead of a device assert.
         pos = pos.clamp(max=self.max_position)
-        return self.model(ids, pos, self.k, self.v, cols, mask, self.slots, adapter_on)
+        return self.model(ids, pos, self.k, self.v, cols, mask, self.slots, adapter_on,
+                          **({"capture": capture} if capture else {}))
 
 
 def compact_path(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,

@@ -455,3 +455,70 @@ def test_training_reduces_the_loss_and_saves_a_loadable_drafter(tmp_path):
     with torch.no_grad():
         want = drafter_block_logits(trainer.drafter, t.model, block, 9, ctx)
     assert torch.allclose(drafter_block_logits(loaded, t.model, block, 9, ctx), want, atol=1e-5)
+
+
+# --- LibraSpec and BASTION on the DFlash drafter -------------------------------------------------
+def dflash_drafted(name, W=1024):
+    """LibraSpec / BASTION drafting with the model's DFlash drafter (bound when the run starts)."""
+    from fastspec.methods import get_method
+    spec = {"libraspec": f"libraspec[drafter=dflash;window={W};blocks=4/8/16]",
+            "bastion": f"bastion[drafter=dflash;window={W};block=8;budgets=8/16;draft_block=8]"}[name]
+    return get_method(spec)
+
+
+@pytest.mark.parametrize("name", ["libraspec", "bastion"])
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_greedy_libraspec_and_bastion_on_the_dflash_drafter_equal_ar(name, concurrency):
+    engine = dflash_engine()
+    prompts = random_token_prompts(6, seed=20 + concurrency, vocab=16)
+    params = SamplingParams(max_new_tokens=33, ignore_eos=True)
+    ar = engine.generate(prompts, params, concurrency=concurrency)
+    meth = dflash_drafted(name)
+    out = engine.generate(prompts, params, method=meth, concurrency=concurrency)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    assert sum(len(c.token_ids) - 1 - c.rounds for c in out) > 0     # drafts were accepted
+    assert meth.report()["drafter"] == "dflash" and not meth.needs_adapter
+
+
+@pytest.mark.parametrize("name", ["libraspec", "bastion"])
+def test_compiled_rounds_on_the_dflash_drafter_equal_ar(name):
+    engine = dflash_engine(backend="compile", compiler="aot_eager")
+    prompts = random_token_prompts(3, seed=13, vocab=16)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    ar = engine.generate(prompts, params, concurrency=2)
+    out = engine.generate(prompts, params, method=dflash_drafted(name), concurrency=2)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    assert engine.last_stats.recompiles == 0
+
+
+@pytest.mark.parametrize("name", ["libraspec", "bastion"])
+def test_a_tree_or_variable_chain_fills_the_ring_with_the_committed_tokens(name):
+    """The ring after every round of BASTION (the accepted path of a tree, gathered from the tree
+    verify's captured layers) and LibraSpec (chains of varying width) holds what a full recompute
+    of the committed sequence gives, as DFlash's own chain does."""
+    engine = dflash_engine()
+    d, W = engine.model.dflash, 16
+    prompt = random_token_prompts(1, seed=5, vocab=16)[0]
+    meth = dflash_drafted(name, W)
+    out, snaps = run_with_snapshots(engine, [prompt], meth)
+    first = 0 if meth.source.prefilled else len(prompt)     # the engine's prefill hook ran
+    seq = prompt + out[0].token_ids
+    hidden, _ = capture(engine.model, [seq], d.cfg.target_layer_ids)
+    ref_k, ref_v = d.context_kv(hidden, torch.arange(len(seq))[None])
+    assert len(snaps) >= 3 and snaps[-1]["length"] - len(prompt) > W
+    for s in snaps:
+        L = s["length"]
+        held = s["ctx_pos"][s["ctx_pos"] >= 0].tolist()
+        assert sorted(held) == list(range(max(first, L - W), L))
+        for j, p in enumerate(s["ctx_pos"].tolist()):
+            if p >= 0:
+                assert torch.allclose(s["ctx_k"][:, :, j], ref_k[0, :, :, p], atol=1e-4)
+                assert torch.allclose(s["ctx_v"][:, :, j], ref_v[0, :, :, p], atol=1e-4)
+
+
+def test_a_dflash_window_narrower_than_a_round_is_one_line():
+    from fastspec.methods import get_method
+    with pytest.raises(FastspecError, match="narrower than a round"):
+        get_method("libraspec[drafter=dflash;window=8;blocks=4/8/16]")
+    with pytest.raises(FastspecError, match="drafter must be one of"):
+        get_method("bastion[drafter=eagle]")

@@ -25,6 +25,11 @@ the verifier's argmax), the filtered law at the row's temperature for sampled ro
 fastspec's convention the seed's logit is the verifier's own, so depth 1 uses the exact target
 law (greedy: one node, the argmax). EOS may be a node: the engine ends the request there.
 
+Either drafter (`bastion[drafter=dflash]`, fastspec/methods/drafter.py): with the model's DFlash
+drafter, step 1 is the drafter's forward over its context ring (d1 is then its guess, not the
+verifier's token), step 3 also captures the drafter's target layers, and the seed and the
+accepted path's nodes enter the ring at positions L, L+1, ...
+
 Node budget per request per round (host side, `plan`): the smallest bucket holding the size the
 rule wanted last round (one bucket up when it wanted more than the budget). Inside a
 step of width N every node is computed anyway, so the tree fills the budget with the next most
@@ -37,7 +42,7 @@ import torch
 from fastspec.config import FastspecError
 from fastspec.graphs.keys import BATCH_BUCKETS
 from fastspec.methods.base import Method, Plan, RoundOutput, RunInfo
-from fastspec.methods.linear import draft_logits, draft_stats
+from fastspec.methods.drafter import DrafterChoice, draft_positions, draft_stats, make_drafter
 from fastspec.sampling import filtered_logprobs
 from fastspec.tree import best_first_tree, tree_mask
 from fastspec.verify import accept_tree
@@ -46,23 +51,21 @@ BUDGETS = (8, 16, 32)
 H_WANTED, H_NODES = 0, 1        # host columns: nodes the rule wanted, nodes laid out (valid)
 
 
-def exact_first_draft(conv) -> bool:
-    """The seed's draft logit is the verifier's own (causal seed without the adapter, shifted)."""
-    return conv.shift and conv.seed_attention == "causal" and not conv.seed_adapter
-
-
-class BASTION(Method):
+class BASTION(DrafterChoice, Method):
     name = "bastion"
-    needs_adapter = True
     layout = "tree"
     forwards = 2
     bucketing = True
 
     def __init__(self, block: int = 16, draft_block: int = 8, top_k: int = 8,
-                 budgets: tuple[int, ...] = BUDGETS, fill: bool = True):
+                 budgets: tuple[int, ...] = BUDGETS, fill: bool = True, drafter: str = "self",
+                 window: int = 1024):
         """block: the starting node budget (one of `budgets`). draft_block: the draft forward's
         width (max tree depth draft_block − 1). top_k: candidates per depth. fill: fill the
-        budget after the stopping rule (nodes cost nothing extra in a step of that width)."""
+        budget after the stopping rule (nodes cost nothing extra in a step of that width).
+        drafter: "self" (the backbone's adapter) or "dflash" (the model's DFlash drafter, with a
+        context ring of `window` committed tokens per request)."""
+        self.source = make_drafter(drafter, window, draft_block)
         budgets = (budgets,) if isinstance(budgets, int) else tuple(sorted(set(budgets)))
         if block not in budgets:
             raise FastspecError(f"bastion: starting budget {block} must be one of {budgets}")
@@ -83,9 +86,12 @@ class BASTION(Method):
     # --- host side --------------------------------------------------------------------------
     def key_name(self) -> str:
         return (f"bastion(draft={self.draft_block},k={self.top_k},"
-                f"budgets={'/'.join(map(str, self.budgets))},fill={int(self.fill)})")
+                f"budgets={'/'.join(map(str, self.budgets))},fill={int(self.fill)},"
+                f"drafter={self.source.key_name()})")
 
     def begin(self, run) -> None:
+        if run is not None:
+            self.bind_drafter(run)
         run = run or RunInfo(1, 1, set(), {})          # a nominal cost model until a run gives one
         self.forward_ms = run.forward_ms
         for rows in (b for b in BATCH_BUCKETS if b <= max(run.rows, 1)):
@@ -137,7 +143,7 @@ class BASTION(Method):
         st = self.stats
         r = max(st["rounds"], 1)
         n = max(sum(self.budget_rounds.values()), 1)
-        return {"rounds": st["rounds"], "mean_wanted_nodes": st["wanted"] / r,
+        return {"drafter": self.source.name, "rounds": st["rounds"], "mean_wanted_nodes": st["wanted"] / r,
                 "mean_nodes": st["nodes"] / r, "mean_budget": st["budget"] / r,
                 "tau": st["tokens"] / r,
                 "budget_share": {b: c / n for b, c in sorted(self.budget_rounds.items())}}
@@ -153,7 +159,7 @@ class BASTION(Method):
             law = filtered_logprobs(logits, s.temperature[:S], s.top_k[:S], s.top_p[:S],
                                     s.any_filtered).exp()
             probs = torch.where((s.temperature[:S] > 0)[:, None, None], law, probs)
-        if exact_first_draft(step.convention):
+        if self.source.exact_first(step):
             # Depth 1 is the verifier's own law (greedy rows: a point mass at the argmax).
             vocab = torch.arange(logits.shape[-1], device=logits.device)
             first = law[:, :1] if law is not None else \
@@ -162,17 +168,28 @@ class BASTION(Method):
         return probs
 
     def round(self, step, pending, blocks, carry, variant="") -> RoundOutput:
-        N, S, D = step.width, pending.shape[0], self.max_depth
-        logits = draft_logits(step, pending, torch.full_like(pending, self.draft_block), self.draft_block)[:, :D]      # [S, D, V]
+        N, S, D, W = step.width, pending.shape[0], self.max_depth, self.draft_block
+        dev = pending.device
+        chain = draft_positions(self.source, step, W, dev)                 # [S, W] or None
+        logits = self.source.logits(step, pending, torch.full_like(pending, W), W, carry,
+                                    chain)[:, :D]                              # [S, D, V]
         top_probs, top_tokens = self.marginals(step, logits).topk(self.top_k, dim=-1)
         tree = best_first_tree(top_tokens, top_probs, N, self.cost_table(S, N), root=pending,
                                fill=self.fill)
         mask, depth = tree_mask(tree.parents)
-        target_logits = step.forward(tree.tokens, mask, rel_positions=depth)
+        target_logits, hidden = self.source.verify(step, tree.tokens, mask, rel_positions=depth)
         emitted, n_emitted, accepted, path = accept_tree(tree.tokens, tree.parents, tree.valid,
                                                          target_logits, step.sampler, mask, depth, D)
+        new = {}
+        if hidden is not None:
+            # The drafter's context learns the committed inputs: the seed (node 0) and the
+            # accepted path's nodes, at positions L, L+1, ...:  path [3 5] -> nodes [0 3 5]
+            nodes = torch.cat([torch.zeros_like(path[:, :1]), path], 1)       # [S, D+1]
+            h = hidden.gather(1, nodes[..., None].expand(-1, -1, hidden.shape[-1]))
+            committed = torch.arange(D + 1, device=dev)[None, :] < n_emitted[:, None]
+            new = self.source.commit(carry, h, chain[:, : D + 1], committed)
         # Draft statistics of the accepted chain (the path's tokens at depths 1..D).
         prob, conf, margin = draft_stats(logits, tree.tokens.gather(1, path))
         host = torch.stack([tree.wanted, tree.valid.long().sum(-1)], 1)
-        return RoundOutput(emitted, n_emitted, accepted, prob, conf, margin, host=host,
+        return RoundOutput(emitted, n_emitted, accepted, prob, conf, margin, carry=new, host=host,
                            commit_cols=path)

@@ -1,5 +1,6 @@
 """LibraSpec: a training-free dynamic speculative length from the draft's own confidences and the
-device's forward cost, on LinearSS's draft/verify rounds.
+device's forward cost, on LinearSS's draft/verify rounds (or DFlash's: `libraspec[drafter=dflash]`
+drafts with the model's DFlash drafter, fastspec/methods/drafter.py; c_1 is then its confidence).
 
 Length. γ is the number of drafts a verify forward judges: a chain verify of width b is
 `[s d1 .. d(b-1)]` and judges d1..d(b-1) (verify.accept_chain), so γ = b − 1 and its cost is
@@ -60,6 +61,7 @@ import torch
 from fastspec.config import FastspecError
 from fastspec.graphs.keys import BATCH_BUCKETS
 from fastspec.methods.base import Plan, RoundOutput, RunInfo
+from fastspec.methods.drafter import DrafterChoice, chain_round, make_drafter
 from fastspec.methods.linear import BLOCK_SIZES, LinearSS
 
 # RoundOutput.host columns: the chosen length, "still extending at the last known draft", the
@@ -96,19 +98,22 @@ def choose_lengths(conf: torch.Tensor, cost: Sequence[float]) -> torch.Tensor:
     return extend.long().cumprod(-1).sum(-1)
 
 
-class LibraSpec(LinearSS):
+class LibraSpec(DrafterChoice, LinearSS):
     name = "libraspec"
     layout = "linear"               # LinearSS's two forwards; the GraphKey names the method
     bucketing = True                # each width its own step over its own rows
     forwards = 2
 
     def __init__(self, block: int = 8, blocks: tuple[int, ...] | int = BLOCK_SIZES,
-                 cost_rows: str = "batch"):
+                 cost_rows: str = "batch", drafter: str = "self", window: int = 1024):
         """block: the width of a request's first round. blocks: the verify widths the chosen
         lengths are rounded up to (each a step of its own, warmed before timing).
         cost_rows: the rows T is read at: "batch", the run's batch bucket (the load C; requests
         split into widths still pay for the whole round), or "step", the rows of the step that
-        ran the round (a group of few rows sees cheap tokens and keeps its long widths)."""
+        ran the round (a group of few rows sees cheap tokens and keeps its long widths).
+        drafter: "self" (the backbone's adapter, LinearSS's draft) or "dflash" (the model's DFlash
+        drafter, with a context ring of `window` committed tokens per request)."""
+        self.source = make_drafter(drafter, window, blocks if isinstance(blocks, int) else max(blocks, default=0))
         super().__init__(block)
         if cost_rows not in ("batch", "step"):
             raise FastspecError(f"libraspec cost_rows must be batch or step, got {cost_rows!r}")
@@ -127,9 +132,12 @@ class LibraSpec(LinearSS):
     def key_name(self) -> str:
         # "batch" bakes T at the run's rows into every step: a run at another C gets its own.
         rows = self.run.rows if self.cost_rows == "batch" else "step"
-        return f"libraspec(blocks={'/'.join(map(str, self.blocks))},start={self.block},T@{rows})"
+        return (f"libraspec(blocks={'/'.join(map(str, self.blocks))},start={self.block},T@{rows},"
+                f"drafter={self.source.key_name()})")
 
     def begin(self, run: RunInfo | None) -> None:
+        if run is not None:
+            self.bind_drafter(run)
         run = run or RunInfo(1, 1, set(), {})          # a nominal cost model until a run gives one
         self.run = run
         self.cost_source = getattr(run.forward_ms, "source", "given")
@@ -189,7 +197,7 @@ class LibraSpec(LinearSS):
         rows."""
         n_g = max(sum(self.gammas.values()), 1)
         n_w = max(sum(self.widths.values()), 1)
-        return {"concurrency": self.run.concurrency, "rows": self.run.rows,
+        return {"drafter": self.source.name, "concurrency": self.run.concurrency, "rows": self.run.rows,
                 "cost_source": self.cost_source,
                 "rounds": sum(self.gammas.values()),
                 "mean_gamma": sum(g * c for g, c in self.gammas.items()) / n_g,
@@ -206,21 +214,19 @@ class LibraSpec(LinearSS):
         """(γ [S], capped [S], rows T was read at) from the round's top-1 confidences conf
         [S, n] (aligned: index i is d(i+1))."""
         S, n = conf.shape
-        conv = step.convention
         i = torch.arange(n, device=conf.device)
         # A row knows drafts d1..d(b) when shifted (d(b) guesses the bonus), d1..d(b-1) when not
         # (the last aligned index repeats the one before: no proposal of its own).
-        known = blocks - (0 if conv.shift else 1)
-        exact_first = conv.shift and conv.seed_attention == "causal" and not conv.seed_adapter
+        known = self.source.known(step, blocks)
         c = torch.where(i[None, :] < known[:, None], conf.float(), torch.zeros_like(conf, dtype=torch.float))
-        if exact_first:                             # d1 is the verifier's own next token
+        if self.source.exact_first(step):           # d1 is the verifier's own next token
             c = torch.cat([torch.ones_like(c[:, :1]), c[:, 1:]], 1)
         rows = self.run.rows if self.cost_rows == "batch" else S     # static: baked in the step
         gamma = choose_lengths(c, self.costs_for(rows)[: n + 1])
         return gamma, gamma >= known, rows
 
     def round(self, step, pending, blocks, carry, variant="") -> RoundOutput:
-        out = super().round(step, pending, blocks, carry, variant)     # LinearSS's draft + verify
+        out = chain_round(self.source, step, pending, blocks, carry)   # draft + verify
         gamma, capped, rows = self.lengths(step, out.draft_confidence, blocks)
         out.host = torch.stack([gamma, capped.long(), torch.full_like(gamma, rows)], 1)
         return out

@@ -17,34 +17,12 @@ from __future__ import annotations
 import torch
 
 from fastspec.config import FastspecError
-from fastspec.convention import aligned_draft_logits, draft_adapter_flags, draft_block_mask
-from fastspec.layout import causal_block
 from fastspec.methods.base import Method, RoundOutput
-from fastspec.sampling import STREAM_DRAFT, filtered_logprobs, sample_from_logprobs
-from fastspec.verify import accept_chain
+from fastspec.methods.drafter import (AdapterDraft, chain_round, draft_logits, draft_stats,  # noqa: F401
+                                     sample_drafts)
 
 BLOCK_SIZES = (4, 8, 16, 32)
-
-
-def draft_stats(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Per position: the drafter's probability of its draft, top-1 probability, top-1 − top-2."""
-    logits = logits.float()
-    lse = logits.logsumexp(-1)
-    top2 = logits.topk(2, dim=-1).values
-    p1, p2 = (top2[..., 0] - lse).exp(), (top2[..., 1] - lse).exp()
-    p_draft = (logits.gather(-1, drafts[..., None])[..., 0] - lse).exp()
-    return p_draft, p1, p1 - p2
-
-
-def draft_logits(step, pending: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
-    """The draft forward `[seed, MASK×(n−1)]` in the adapter's convention: aligned logits
-    [S, n, V] whose index i proposes d(i+1), MASK excluded (row s drafts its first blocks[s])."""
-    S, conv = pending.shape[0], step.convention
-    ids = torch.full((S, n), step.mask_token_id, dtype=torch.long, device=pending.device)
-    ids[:, 0] = pending
-    logits = step.forward(ids, draft_block_mask(conv, blocks, n),
-                          adapter_on=draft_adapter_flags(conv, S, n, pending.device))
-    return aligned_draft_logits(conv, logits, step.mask_token_id)
+SELF_DRAFT = AdapterDraft()         # the backbone drafts with its adapter (methods/drafter.py)
 
 
 class LinearSS(Method):
@@ -61,19 +39,9 @@ class LinearSS(Method):
     def draft(self, step, pending: torch.Tensor, blocks: torch.Tensor):
         """Draft forward: drafts [S, n], the drafter's filtered log-probs [S, n, V] (None under
         greedy: q is never needed) and its logits."""
-        S, n = pending.shape[0], step.width
-        logits = draft_logits(step, pending, blocks, n)
-        s = step.sampler
-        if not s.any_sampled:
-            return logits.argmax(-1), None, logits
-        logp = filtered_logprobs(logits, s.temperature[:S], s.top_k[:S], s.top_p[:S], s.any_filtered)
-        return sample_from_logprobs(logp, s.uniform(STREAM_DRAFT, (n,), rows=S)), logp, logits
+        logits = draft_logits(step, pending, blocks, step.width)
+        return (*sample_drafts(step, logits), logits)
 
     def round(self, step, pending, blocks, carry, variant="") -> RoundOutput:
-        n = step.width
-        drafts, draft_logp, draft_logits = self.draft(step, pending, blocks)
-        verify_ids = torch.cat([pending[:, None], drafts[:, : n - 1]], dim=1)
-        target_logits = step.forward(verify_ids, causal_block(n, pending.device))
-        emitted, n_emitted, accepted = accept_chain(drafts, target_logits, blocks, step.sampler,
-                                                    draft_logp)
-        return RoundOutput(emitted, n_emitted, accepted, *draft_stats(draft_logits, drafts))
+        return chain_round(SELF_DRAFT, step, pending, blocks, carry)
+
