@@ -7,6 +7,7 @@ from conftest import random_token_prompts, tiny_drafter
 from fastspec.convention import FASTSPEC, NLD
 from fastspec.engine import Engine
 from fastspec.methods.d2sd import D2SD, assemble_tree
+from fastspec.methods.drafter import exact_first_draft
 from fastspec.tree import tree_mask
 from fastspec.sampling import SamplingParams
 
@@ -18,12 +19,12 @@ def test_boundaries_are_the_most_likely_first_rejections():
     #   p=3: 0.5·(1−0.8) = 0.10,  p=4: 0.5·0.8·(1−0.6) = 0.16
     prob = torch.tensor([[0.9, 0.5, 0.8, 0.6, 0.1]])
     m = D2SD(block=8, branches=2)
-    got = m.boundaries(FASTSPEC, prob, torch.tensor([5]))
+    got = m.boundaries(exact_first_draft(FASTSPEC), prob, torch.tensor([5]))
     assert got.tolist() == [[2, 4]]
     # NLD's d1 is a real guess: P(first rejection at 1) = 0.1 joins the race.
-    got = m.boundaries(NLD, prob, torch.tensor([5]))
+    got = m.boundaries(exact_first_draft(NLD), prob, torch.tensor([5]))
     assert got.tolist() == [[2, 4]]          # 0.9·0.5 = 0.45, 0.9·0.5·0.8·0.4 = 0.144 > 0.1
-    got = D2SD(block=8, branches=3).boundaries(NLD, prob, torch.tensor([5]))
+    got = D2SD(block=8, branches=3).boundaries(exact_first_draft(NLD), prob, torch.tensor([5]))
     assert got.tolist() == [[2, 4, 1]]
 
 

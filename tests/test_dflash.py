@@ -457,18 +457,19 @@ def test_training_reduces_the_loss_and_saves_a_loadable_drafter(tmp_path):
     assert torch.allclose(drafter_block_logits(loaded, t.model, block, 9, ctx), want, atol=1e-5)
 
 
-# --- LibraSpec and BASTION on the DFlash drafter -------------------------------------------------
+# --- LibraSpec, D²SD and BASTION on the DFlash drafter -------------------------------------------
 def dflash_drafted(name, W=1024):
-    """LibraSpec / BASTION drafting with the model's DFlash drafter (bound when the run starts)."""
+    """LibraSpec / D²SD / BASTION drafting with the model's DFlash drafter (bound at run start)."""
     from fastspec.methods import get_method
     spec = {"libraspec": f"libraspec[drafter=dflash;window={W};blocks=4/8/16]",
+            "d2sd": f"d2sd[drafter=dflash;window={W};block=8;branches=2]",
             "bastion": f"bastion[drafter=dflash;window={W};block=8;budgets=8/16;draft_block=8]"}[name]
     return get_method(spec)
 
 
-@pytest.mark.parametrize("name", ["libraspec", "bastion"])
+@pytest.mark.parametrize("name", ["libraspec", "d2sd", "bastion"])
 @pytest.mark.parametrize("concurrency", [1, 3])
-def test_greedy_libraspec_and_bastion_on_the_dflash_drafter_equal_ar(name, concurrency):
+def test_greedy_libraspec_d2sd_and_bastion_on_the_dflash_drafter_equal_ar(name, concurrency):
     engine = dflash_engine()
     prompts = random_token_prompts(6, seed=20 + concurrency, vocab=16)
     params = SamplingParams(max_new_tokens=33, ignore_eos=True)
@@ -480,7 +481,7 @@ def test_greedy_libraspec_and_bastion_on_the_dflash_drafter_equal_ar(name, concu
     assert meth.report()["drafter"] == "dflash" and not meth.needs_adapter
 
 
-@pytest.mark.parametrize("name", ["libraspec", "bastion"])
+@pytest.mark.parametrize("name", ["libraspec", "d2sd", "bastion"])
 def test_compiled_rounds_on_the_dflash_drafter_equal_ar(name):
     engine = dflash_engine(backend="compile", compiler="aot_eager")
     prompts = random_token_prompts(3, seed=13, vocab=16)
@@ -491,7 +492,7 @@ def test_compiled_rounds_on_the_dflash_drafter_equal_ar(name):
     assert engine.last_stats.recompiles == 0
 
 
-@pytest.mark.parametrize("name", ["libraspec", "bastion"])
+@pytest.mark.parametrize("name", ["libraspec", "d2sd", "bastion"])
 def test_a_tree_or_variable_chain_fills_the_ring_with_the_committed_tokens(name):
     """The ring after every round of BASTION (the accepted path of a tree, gathered from the tree
     verify's captured layers) and LibraSpec (chains of varying width) holds what a full recompute

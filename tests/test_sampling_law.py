@@ -68,13 +68,13 @@ def test_linear_sampling_matches_ar_sampling(engine, name):
 def test_the_check_sees_a_wrong_law(engine, monkeypatch):
     """Power: accepting every draft (no rejection sampling) changes the law of the third token
     and the same test rejects it; a hotter AR is rejected too."""
-    import fastspec.methods.linear as linear
+    import fastspec.methods.drafter as drafter
     ar = sample(engine, "ar", N_LARGE, 10_000)
     hot = sample(engine, "ar", N_LARGE, 20_000, temperature=1.3)
     assert tv(first(ar, 2), first(hot, 2)) > null_quantile(first(ar, 2), first(hot, 2))
 
     def accept_everything(drafts, target_logits, block, sampler, draft_logp=None):
         return drafts, block, block - 1
-    monkeypatch.setattr(linear, "accept_chain", accept_everything)
+    monkeypatch.setattr(drafter, "accept_chain", accept_everything)   # the chain round's verifier
     broken = sample(engine, "linear", N_LARGE, 50_000)
     assert tv(first(ar, 3), first(broken, 3)) > null_quantile(first(ar, 3), first(broken, 3))

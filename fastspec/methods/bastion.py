@@ -42,7 +42,8 @@ import torch
 from fastspec.config import FastspecError
 from fastspec.graphs.keys import BATCH_BUCKETS
 from fastspec.methods.base import Method, Plan, RoundOutput, RunInfo
-from fastspec.methods.drafter import DrafterChoice, draft_positions, draft_stats, make_drafter
+from fastspec.methods.drafter import (DrafterChoice, commit_path, draft_positions, draft_stats,
+                                     make_drafter)
 from fastspec.sampling import filtered_logprobs
 from fastspec.tree import best_first_tree, tree_mask
 from fastspec.verify import accept_tree
@@ -180,14 +181,7 @@ class BASTION(DrafterChoice, Method):
         target_logits, hidden = self.source.verify(step, tree.tokens, mask, rel_positions=depth)
         emitted, n_emitted, accepted, path = accept_tree(tree.tokens, tree.parents, tree.valid,
                                                          target_logits, step.sampler, mask, depth, D)
-        new = {}
-        if hidden is not None:
-            # The drafter's context learns the committed inputs: the seed (node 0) and the
-            # accepted path's nodes, at positions L, L+1, ...:  path [3 5] -> nodes [0 3 5]
-            nodes = torch.cat([torch.zeros_like(path[:, :1]), path], 1)       # [S, D+1]
-            h = hidden.gather(1, nodes[..., None].expand(-1, -1, hidden.shape[-1]))
-            committed = torch.arange(D + 1, device=dev)[None, :] < n_emitted[:, None]
-            new = self.source.commit(carry, h, chain[:, : D + 1], committed)
+        new = commit_path(self.source, carry, hidden, path, n_emitted, chain)
         # Draft statistics of the accepted chain (the path's tokens at depths 1..D).
         prob, conf, margin = draft_stats(logits, tree.tokens.gather(1, path))
         host = torch.stack([tree.wanted, tree.valid.long().sum(-1)], 1)

@@ -18,6 +18,11 @@ Tree verified in forward 3 (node: token, parent), N = b + K·(b−1) = 13 column
 
     0:s  1:d1(0) 2:d2(1) 3:d3(2) 4:d4(3) | 5:a2(1) 6:e3(5) 7:e4(6) 8:- | 9:a4(3) 10:- 11:- 12:-
 
+Either drafter (`d2sd[drafter=dflash]`, fastspec/methods/drafter.py): with the model's DFlash
+drafter both drafts are its forwards over the request's context ring (a re-anchored block holds
+the real tokens `s d1 .. a_p` before its masks), the tree verify captures its target layers, and
+the seed and the accepted path enter the ring.
+
 Alternatives differ from the draft they replace, so siblings carry distinct tokens, and the tree
 verifier's walk (sample or argmax at each node, descend into the child that matches) is exact.
 """
@@ -26,33 +31,42 @@ from __future__ import annotations
 import torch
 
 from fastspec.config import FastspecError
-from fastspec.convention import draft_adapter_flags, draft_block_mask, aligned_draft_logits
 from fastspec.methods.base import Plan, RoundOutput
-from fastspec.methods.linear import BLOCK_SIZES, LinearSS, draft_stats
+from fastspec.methods.drafter import (DrafterChoice, commit_path, draft_positions, draft_stats,
+                                     make_drafter)
+from fastspec.methods.linear import BLOCK_SIZES, LinearSS
 from fastspec.methods.recguide import alternatives
 from fastspec.tree import tree_mask
 from fastspec.verify import accept_tree
 
 
-class D2SD(LinearSS):
+class D2SD(DrafterChoice, LinearSS):
     name = "d2sd"
     layout = "d2sd"
     forwards = 3
 
-    def __init__(self, block: int = 8, branches: int = 2):
+    def __init__(self, block: int = 8, branches: int = 2, drafter: str = "self", window: int = 1024):
+        """drafter: "self" (the backbone's adapter) or "dflash" (the model's DFlash drafter, with
+        a context ring of `window` committed tokens per request: both drafts are its forwards,
+        the re-anchored blocks hold real tokens before their masks)."""
         if block not in BLOCK_SIZES:
             raise FastspecError(f"--block must be one of {BLOCK_SIZES}, got {block}")
         if not 1 <= branches <= block - 2:
             raise FastspecError(f"d2sd: branches must be in 1..{block - 2}, got {branches}")
+        self.source = make_drafter(drafter, window, block)
         super().__init__(block)
         self.branches = branches
         self.eos_ids: tuple[int, ...] = ()
 
     def key_name(self) -> str:
-        return f"d2sd(k={self.branches})"
+        return f"d2sd(k={self.branches},drafter={self.source.key_name()})"
 
     def begin(self, run) -> None:
+        self.bind_drafter(run)
         self.eos_ids = tuple(sorted(run.eos_ids))
+
+    def report(self) -> dict:
+        return {"drafter": self.source.name}
 
     def nodes(self) -> int:
         return self.block + self.branches * (self.block - 1)
@@ -64,12 +78,12 @@ class D2SD(LinearSS):
         return [Plan(self.block)]
 
     # --- inside the step --------------------------------------------------------------------
-    def boundaries(self, conv, prob: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    def boundaries(self, exact_d1: bool, prob: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """[S, K] draft positions p (1-based: d_p) where the first rejection is most likely,
-        P(first rejection at p) = Π_{i<p} c_i · (1 − c_p) over the judged drafts."""
+        P(first rejection at p) = Π_{i<p} c_i · (1 − c_p) over the judged drafts (exact_d1: d1 is
+        the verifier's own token, never a boundary)."""
         S, n = prob.shape
         p = torch.arange(1, n + 1, device=prob.device)[None, :]            # aligned i -> d_(i+1)
-        exact_d1 = conv.shift and conv.seed_attention == "causal" and not conv.seed_adapter
         judged = (p >= (2 if exact_d1 else 1)) & (p <= blocks[:, None] - 1)
         c = torch.where(judged, prob, torch.ones_like(prob))
         before = torch.cumprod(torch.cat([torch.ones_like(c[:, :1]), c[:, :-1]], 1), 1)
@@ -77,17 +91,18 @@ class D2SD(LinearSS):
         return first_reject.topk(self.branches, dim=-1).indices + 1        # [S, K]
 
     def round(self, step, pending, blocks, carry, variant="") -> RoundOutput:
-        n, S, dev, conv = step.width, pending.shape[0], pending.device, step.convention
-        K, M = self.branches, step.mask_token_id
-        rows = torch.arange(S, device=dev)
+        n, S, dev = step.width, pending.shape[0], pending.device
+        K, M = self.branches, step.mask_token_id if self.source.name == "self" else \
+            self.source.drafter.cfg.mask_token_id
         i = torch.arange(n, device=dev)
+        positions = draft_positions(self.source, step, n, dev)               # [S, n] or None
 
         # 1. the first draft: d1..d(n-1) at aligned indices 0..n-2.
-        drafts, _, logits = self.draft(step, pending, blocks)
+        logits = self.source.logits(step, pending, blocks, n, carry, positions)
         drafts = logits.argmax(-1)          # tree candidates are deterministic (see verify.accept_tree)
         prob, conf, margin = draft_stats(logits, drafts)
         alt, _ = alternatives(logits, drafts, self.eos_ids)
-        bounds = self.boundaries(conv, prob, blocks)                          # [S, K]
+        bounds = self.boundaries(self.source.exact_first(step), prob, blocks)    # [S, K]
 
         # 2. re-anchor: segment k keeps s d1..d(p-1), puts a_p at block position p, masks after.
         chain = torch.cat([pending[:, None], drafts[:, : n - 1]], 1)          # s d1 .. d(n-1)
@@ -97,26 +112,19 @@ class D2SD(LinearSS):
             a_p = alt.gather(1, p - 1)                                        # [S, 1]
             seg = torch.where(i[None, :] < p, chain, torch.full_like(chain, M))
             segs.append(torch.where(i[None, :] == p, a_p, seg))
-        ids = torch.cat(segs, 1)                                              # [S, K·n]
-        own = draft_block_mask(conv, blocks, n)                               # [S, n, n]
-        mask = torch.zeros(S, K * n, K * n, dtype=torch.bool, device=dev)
-        for k in range(K):
-            mask[:, k * n:(k + 1) * n, k * n:(k + 1) * n] = own
-        flags = draft_adapter_flags(conv, S, n, dev).repeat(1, K)
-        rel = i.repeat(K).expand(S, K * n)
-        seg_logits = step.forward(ids, mask, adapter_on=flags, rel_positions=rel)
+        seg_logits = self.source.segment_logits(step, torch.cat(segs, 1), blocks, n, carry, positions)
         # e_(j+1) for aligned index j >= p: the drafter's continuation after a_p.
-        seg_drafts = torch.stack([aligned_draft_logits(conv, seg_logits[:, k * n:(k + 1) * n], M)
-                                  .argmax(-1) for k in range(K)], 1)          # [S, K, n]
+        seg_drafts = seg_logits.argmax(-1)                                    # [S, K, n]
 
         # 3. the tree, verified in one forward; the accepted path is compacted into place.
         tokens, parents, valid = assemble_tree(chain, alt, seg_drafts, bounds, blocks)
         tmask, depth = tree_mask(parents)
-        target_logits = step.forward(tokens, tmask, rel_positions=depth)
+        target_logits, hidden = self.source.verify(step, tokens, tmask, rel_positions=depth)
         emitted, n_emitted, accepted, path = accept_tree(tokens, parents, valid, target_logits,
                                                          step.sampler, tmask, depth, n - 1)
-        return RoundOutput(emitted, n_emitted, accepted, prob, conf, margin, commit_cols=path,
-                           host=bounds)
+        new = commit_path(self.source, carry, hidden, path, n_emitted, positions)
+        return RoundOutput(emitted, n_emitted, accepted, prob, conf, margin, carry=new,
+                           commit_cols=path, host=bounds)
 
 
 def assemble_tree(chain: torch.Tensor, alt: torch.Tensor, seg_drafts: torch.Tensor,

@@ -102,6 +102,20 @@ class AdapterDraft:
     def logits(self, step, pending, blocks, n, carry, positions) -> torch.Tensor:
         return draft_logits(step, pending, blocks, n)
 
+    def segment_logits(self, step, ids, blocks, n, carry, positions) -> torch.Tensor:
+        """K draft blocks side by side, ids [S, K·n] (each `s t1 .. M ..`, its own block in the
+        adapter's convention, at positions L .. L+n-1): aligned logits [S, K, n, V]."""
+        S, conv, dev = ids.shape[0], step.convention, ids.device
+        K = ids.shape[1] // n
+        own = draft_block_mask(conv, blocks, n)                               # [S, n, n]
+        mask = torch.block_diag(*[torch.ones(n, n, dtype=torch.bool, device=dev)] * K)
+        mask = mask[None] & own.repeat(1, K, K)
+        flags = draft_adapter_flags(conv, S, n, dev).repeat(1, K)
+        rel = torch.arange(n, device=dev).repeat(K).expand(S, K * n)
+        logits = step.forward(ids, mask, adapter_on=flags, rel_positions=rel)
+        return torch.stack([aligned_draft_logits(conv, logits[:, k * n:(k + 1) * n], step.mask_token_id)
+                            for k in range(K)], 1)
+
     def verify(self, step, ids, block_mask, rel_positions=None):
         return step.forward(ids, block_mask, rel_positions=rel_positions), None
 
@@ -189,27 +203,46 @@ class DFlashDraft:
         self.prefilled += len(slots)
 
     # --- inside the step --------------------------------------------------------------------
+    def block_logits(self, step, ids, positions, block_mask, carry) -> torch.Tensor:
+        """The drafter forward of blocks `ids` [S, N] at `positions` [S, N], attending to the
+        rows' rings and among themselves by `block_mask` [S, N, N]: logits [S, N, V] in place
+        (block position i's logits guess the token at its own position), MASK excluded."""
+        drafter, target = self.drafter, step.model
+        x = F.embedding(ids, target.embed).to(drafter.fc.dtype)       # the target's embeddings
+        ctx_pos = carry["ctx_pos"]
+        ctx_mask = (ctx_pos >= 0)[:, None, :].expand(ids.shape[0], ids.shape[1], ctx_pos.shape[1])
+        h = drafter(x, positions, carry["ctx_k"], carry["ctx_v"], ctx_pos, ctx_mask, block_mask)
+        return exclude_mask_logit(F.linear(h.to(target.head_weight.dtype), target.head_weight).float(),
+                                  drafter.cfg.mask_token_id)
+
+    @staticmethod
+    def own_block(blocks: torch.Tensor, n: int) -> torch.Tensor:
+        """[S, n, n]: the whole valid block sees itself (seed included); padding only itself."""
+        i = torch.arange(n, device=blocks.device)
+        valid = i[None, :] < blocks[:, None]
+        return (valid[:, :, None] & valid[:, None, :]) | torch.eye(n, dtype=torch.bool, device=blocks.device)
+
     def logits(self, step, pending, blocks, n, carry, positions) -> torch.Tensor:
         """The drafter forward of `[seed, MASK × (n−1)]` at `positions` [S, n]: aligned logits
         [S, n, V] (index i proposes d(i+1); the last index repeats, it proposes nothing)."""
-        drafter, target = self.drafter, step.model
-        S, dev = pending.shape[0], pending.device
-        mask_id = drafter.cfg.mask_token_id
-        ids = torch.full((S, n), mask_id, dtype=torch.long, device=dev)
+        ids = torch.full((pending.shape[0], n), self.drafter.cfg.mask_token_id, dtype=torch.long,
+                         device=pending.device)
         ids[:, 0] = pending
-        x = F.embedding(ids, target.embed).to(drafter.fc.dtype)       # the target's embeddings
-        i = torch.arange(n, device=dev)
-        valid = i[None, :] < blocks[:, None]                             # [S, n]
-        # The whole valid block sees itself (seed included); padding sees only itself.
-        block_mask = (valid[:, :, None] & valid[:, None, :]) | torch.eye(n, dtype=torch.bool, device=dev)
-        ctx_pos = carry["ctx_pos"]
-        ctx_mask = (ctx_pos >= 0)[:, None, :].expand(S, n, ctx_pos.shape[1])
-        h = drafter(x, positions, carry["ctx_k"], carry["ctx_v"], ctx_pos, ctx_mask, block_mask)
-        logits = exclude_mask_logit(F.linear(h.to(target.head_weight.dtype), target.head_weight).float(),
-                                    mask_id)
+        logits = self.block_logits(step, ids, positions, self.own_block(blocks, n), carry)
         # In place: block position i proposes L+i, so index i (the token after verify input i)
         # reads position i+1.
         return torch.cat([logits[:, 1:], logits[:, -1:]], dim=1)
+
+    def segment_logits(self, step, ids, blocks, n, carry, positions) -> torch.Tensor:
+        """K blocks side by side, ids [S, K·n] (each `s t1 .. M ..` at positions L .. L+n-1,
+        its filled tokens embedded as tokens), each seeing the ring and its own valid block:
+        aligned logits [S, K, n, V]."""
+        S = ids.shape[0]
+        K = ids.shape[1] // n
+        mask = torch.block_diag(*[torch.ones(n, n, dtype=torch.bool, device=ids.device)] * K)
+        mask = mask[None] & self.own_block(blocks, n).repeat(1, K, K)
+        logits = self.block_logits(step, ids, positions.repeat(1, K), mask, carry).view(S, K, n, -1)
+        return torch.cat([logits[:, :, 1:], logits[:, :, -1:]], dim=2)
 
     def verify(self, step, ids, block_mask, rel_positions=None):
         """The target's forward (Step.forward), also returning the drafter's target layers'
@@ -241,6 +274,21 @@ class DFlashDraft:
         ctx_pos[rows, ring] = torch.where(committed, positions, ctx_pos[rows, ring])
         new["ctx_pos"] = ctx_pos
         return new
+
+
+def commit_path(source, carry, hidden, path, n_emitted, positions) -> dict:
+    """After a tree round: the drafter's context learns the committed inputs, the seed (node 0)
+    and the accepted path's nodes, at positions L, L+1, ... (positions [S, >= D+1]):
+
+        path [3 5] (depth 1 at node 3, depth 2 at node 5) -> nodes [0 3 5] at L, L+1, L+2
+    """
+    if hidden is None:
+        return {}
+    D = path.shape[1]
+    nodes = torch.cat([torch.zeros_like(path[:, :1]), path], 1)                # [S, D+1]
+    h = hidden.gather(1, nodes[..., None].expand(-1, -1, hidden.shape[-1]))
+    committed = torch.arange(D + 1, device=path.device)[None, :] < n_emitted[:, None]
+    return source.commit(carry, h, positions[:, : D + 1], committed)
 
 
 def make_drafter(drafter: str, window: int = 1024, widest: int = 0):
