@@ -24,6 +24,10 @@ def model_options(fn=None, *, many_backends: bool = False):
                       help="Draft adapter folder (adapter_config.json + adapter.safetensors); auto: "
                            "the checkpoint's own (draft/, NLD linear_spec_lora/) or the one shipped "
                            "for a built-in model; none: no adapter.")(fn)
+    fn = click.option("--dflash", default="auto", show_default=True,
+                      help="DFlash drafter folder (config.json + model.safetensors, the public format) "
+                           "for --method dflash and drafter=dflash; auto: `dflash/` beside the "
+                           "checkpoint or the one shipped for a built-in model; none: no drafter.")(fn)
     fn = device_options(fn)
     fn = weights_option(fn)
     if many_backends:
@@ -121,7 +125,7 @@ def with_recguide_options(methods: str, model: str, branches=None, max_correctio
 
 
 def load_engine(model: str, dtype: str, backend: str, adapter: str = "auto", device: str = "auto",
-                weights: str = "fp32"):
+                weights: str = "fp32", dflash: str = "auto"):
     """The model on --device (auto: the GPU when there is one) in --dtype, its big linears rounded
     to --weights, behind an Engine whose steps run on --backend (auto: CUDA graphs on a GPU)."""
     from fastspec.engine import Engine
@@ -129,10 +133,13 @@ def load_engine(model: str, dtype: str, backend: str, adapter: str = "auto", dev
     from fastspec.weights import apply_weight_precision
     if adapter not in ("auto", "none") and not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
         raise FastspecError(f"--adapter {adapter}: no adapter_config.json there")
+    if dflash not in ("auto", "none") and not os.path.isfile(os.path.join(dflash, "config.json")):
+        raise FastspecError(f"--dflash {dflash}: no config.json there")
     resolve_device(device)                         # a bad --device fails before the load
     with err_console.status(f"loading {model} ..."):
         loaded = load_model(model, dtype=dtype, device=device,
-                            adapter=None if adapter == "none" else adapter)
+                            adapter=None if adapter == "none" else adapter,
+                            dflash=None if dflash == "none" else dflash)
     apply_weight_precision(loaded.model, weights)      # before the Engine: its runner packs them
     return Engine(loaded, backend=backend)
 
@@ -165,7 +172,7 @@ def cli():
 @click.option("--prompt", "-p", default=None, help="Answer this one prompt and exit.")
 @click.option("--system", default=None, help="System message (default: the chat template's).")
 @user_errors
-def chat(model, dtype, device, weights, adapter, backend, max_new_tokens, temperature, top_p, top_k, seed,
+def chat(model, dtype, device, weights, dflash, adapter, backend, max_new_tokens, temperature, top_p, top_k, seed,
          method, block, prompt, system):
     """Chat with the model; tokens stream as they are committed. Ctrl-C stops the current answer."""
     from fastspec.evals.runner import check_blocks
@@ -176,7 +183,8 @@ def chat(model, dtype, device, weights, adapter, backend, max_new_tokens, temper
         raise FastspecError("empty prompt: give --prompt some text")
     get_method(method, block=block)          # a bad name or block fails before loading
     check_blocks([method], [block])
-    engine = load_engine(model, dtype, backend, adapter=adapter, device=device, weights=weights)
+    engine = load_engine(model, dtype, backend, adapter=adapter, device=device, weights=weights,
+                         dflash=dflash)
     history: list[dict] = [{"role": "system", "content": system}] if system else []
 
     def answer(user_text: str) -> None:
@@ -263,7 +271,7 @@ def chat(model, dtype, device, weights, adapter, backend, max_new_tokens, temper
 @click.option("--plot", "plot_from", type=click.Path(dir_okay=False), default=None,
               help="Instead of running: draw PNG plots from a results JSON written by --json.")
 @user_errors(interrupted="interrupted: every finished (method, concurrency) run is in the --json file")
-def bench(model, dtype, device, weights, adapter, backend, suite, benches, prompts_file, limit, methods, blocks,
+def bench(model, dtype, device, weights, dflash, adapter, backend, suite, benches, prompts_file, limit, methods, blocks,
           concurrency, max_new_tokens, temperature, top_p, top_k, seed, data_dir, peers, no_baseline,
           json_out, plot_from, **recguide):
     """Benchmark decoding methods: τ, tokens/forward, tokens/s, speedup over AR, accuracy.
@@ -290,7 +298,7 @@ def bench(model, dtype, device, weights, adapter, backend, suite, benches, promp
         raise FastspecError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     from fastspec.evals.runner import run_bench
     methods = with_recguide_options(methods, model, **recguide)
-    run_bench(model=model, dtype=dtype, device=device, adapter=adapter, backend=backend,
+    run_bench(model=model, dtype=dtype, device=device, adapter=adapter, dflash=dflash, backend=backend,
               weights=weights, max_new_tokens=max_new_tokens,
               temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, suite=suite,
               benches=benches, prompts_file=prompts_file, limit=limit, methods=methods, blocks=blocks,

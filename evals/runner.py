@@ -169,6 +169,7 @@ def environment(engines, model: str) -> dict:
     return {**run_environment(first.device, first.dtype, ran, weight_precision(first.model)),
             "model": model, "commit": commit,
             "adapter": getattr(first.loaded, "adapter_path", None),
+            "dflash": getattr(getattr(first.model, "dflash", None), "source_path", None),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
@@ -183,7 +184,7 @@ def _too_long(engine, method: str, block, ids: list[int], p: SamplingParams) -> 
             f"but the context is {engine.max_context}")
 
 
-def run_bench(*, model, dtype, backend, device="auto", adapter="auto", max_new_tokens, temperature,
+def run_bench(*, model, dtype, backend, device="auto", adapter="auto", dflash="auto", max_new_tokens, temperature,
               top_p, top_k, seed, suite, benches, prompts_file, limit, methods, blocks, concurrency,
               data_dir, json_out, peers, baseline, console: Console, load_engine, weights="fp32"):
     from fastspec.draft import has_adapter
@@ -208,13 +209,19 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", max_new_t
     if json_out:
         check_writable(json_out, "--json")
 
-    engine = load_engine(model, dtype, backends[0], adapter=adapter, device=device, weights=weights)
+    engine = load_engine(model, dtype, backends[0], adapter=adapter, device=device, weights=weights,
+                         dflash=dflash)
     # Later backends share the loaded weights; their rows are labelled "ar (eager)", ...
     engines = [(engine, "")] + [(Engine(engine.loaded, backend=b), f" ({b})") for b in backends[1:]]
     for _, method, block in plan:              # before any run: not one error row per request
-        if engine.method(method, block).needs_adapter and not has_adapter(engine.model):
+        meth = engine.method(method, block)
+        if meth.needs_adapter and not has_adapter(engine.model):
             raise FastspecError(f"method {method!r} needs a draft adapter and {model} has none: train "
                                 f"one with `fastspec train-drafter --model {model}` or pass --adapter")
+        if getattr(meth, "needs_dflash", False) and getattr(engine.model, "dflash", None) is None:
+            raise FastspecError(f"method {method!r} needs a DFlash drafter and {model} has none: train "
+                                f"one with `fastspec train-drafter --kind dflash --model {model}` or "
+                                f"pass --dflash DIR")
     env = environment([e for e, _ in engines], model)
     console.print(f"[dim]{model} on {env['device']}, {env['dtype']}, backend {env['backend']}, "
                   f"weights {env['weights']}, kernel {env['kernel']} (CPU ISA {env['isa']})[/]",

@@ -69,6 +69,12 @@ CASES = [
     ("bench-unknown-backend", [*BENCH, "--backend", "eager,warp"], "unknown --backend warp"),
     ("bench-missing-prompts", [*BENCH[:-4], "--prompts", "{tmp}/none.jsonl"], "prompts file not found"),
     ("bench-linear-no-adapter", [*BENCH, "--method", "linear"], "needs a draft adapter"),
+    ("bench-dflash-dir-missing", [*BENCH, "--method", "dflash", "--dflash", "{tmp}/nodflash"],
+     "nodflash: no config.json there"),
+    ("bench-bastion-no-dflash", [*BENCH, "--method", "bastion[drafter=dflash]"],
+     "method 'bastion[drafter=dflash]' needs a DFlash drafter and tiny-random has none"),
+    ("bench-dflash-no-drafter", [*BENCH, "--method", "dflash"], "needs a DFlash drafter"),
+    ("bench-bad-drafter", [*BENCH, "--method", "libraspec[drafter=eagle]"], "drafter must be one of self, dflash"),
     ("bench-plot-no-matplotlib", ["bench", "--plot", "{results}"], "--plot needs matplotlib"),
     ("bench-json-unwritable", [*BENCH, "--json", "{ok_prompts}/r.json"], "r.json"),
     # speed

@@ -334,6 +334,11 @@ class DrafterChoice:
         return self.source.needs_adapter
 
     @property
+    def needs_dflash(self) -> bool:
+        """Drafts with a DFlash drafter it was not given: the run's model must carry one."""
+        return isinstance(self.source, DFlashDraft) and self.source.drafter is None
+
+    @property
     def prefill_capture(self):
         return self.source.prefill_capture
 

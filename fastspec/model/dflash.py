@@ -408,6 +408,7 @@ def load_dflash(path, target_model, dtype: torch.dtype | None = None, device=Non
         src.read_into(name, dst[name])
     drafter.init_buffers(target_model.rope_cos.shape[0], device, dtype)
     drafter.eval().requires_grad_(False)
+    drafter.source_path = str(d)            # run headers name the drafter that ran
     if attach:
         attach_dflash(target_model, drafter)
     return drafter
