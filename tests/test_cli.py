@@ -245,3 +245,22 @@ def test_recguide_flags_fold_into_the_method_spec_and_a_tables_path_keeps_its_sl
     assert parse_method_spec("bastion[blocks=8/16]")[1] == {"blocks": (8, 16)}
     with pytest.raises(Exception, match="tables"):
         get_method(recguide)          # an empty JSON is not a survival table: a clear error
+
+
+def test_bench_runs_the_dflash_drafted_methods_from_a_dflash_folder(tmp_path, adapter_dir):
+    """--dflash DIR loads a drafter in the public format; dflash and bastion[drafter=dflash] run
+    on it next to LinearSS, every request identical to AR, and the run header names it."""
+    from fastspec.model.dflash import DFlashDrafter, drafter_config_for, save_dflash
+    from fastspec.model.loader import load_model
+    target = load_model("tiny-random", adapter=None, dflash=None).model
+    cfg = drafter_config_for(target.cfg, 1, (0, 1), 8, 7)
+    drafter = DFlashDrafter(cfg, max_positions=target.rope_cos.shape[0]).init_random(3)
+    save_dflash(drafter, tmp_path / "dflash")
+    prompts = write_prompts(tmp_path / "p.jsonl", [f"question {i}" for i in range(2)])
+    result, text, data = bench_json(tmp_path, adapter_dir, "--prompts", prompts, "--dflash",
+                                    str(tmp_path / "dflash"),
+                                    "--method", "ar,linear,dflash,bastion[drafter=dflash]")
+    assert result.exit_code == 0, text
+    assert {r["method"] for r in data["records"]} == {"ar", "linear", "dflash", "bastion[drafter=dflash]"}
+    assert all(r["identical"] is True for r in data["records"])
+    assert data["environment"]["dflash"] == str(tmp_path / "dflash")

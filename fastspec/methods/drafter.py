@@ -80,17 +80,11 @@ class AdapterDraft:
     has_context = False              # no carried state: positions are not needed
     prefill_capture = None
 
-    def bind(self, source) -> "AdapterDraft":
-        return self
-
     def key_name(self) -> str:
         return "self"
 
     def carry_spec(self) -> dict:
         return {}
-
-    def report(self) -> dict:
-        return {"drafter": "self"}
 
     def exact_first(self, step) -> bool:
         return exact_first_draft(step.convention)
