@@ -19,31 +19,37 @@ from fastspec.evals.prompts import build_messages
 from fastspec.model.loader import load_model
 from fastspec.sampling import SamplingParams
 
-torch.set_num_threads(2)
-adapter = sys.argv[1] if len(sys.argv) > 1 else "auto"
-items = load_items("math", None, None, 5, os.environ["FASTSPEC_DATA"], 128, Console(stderr=True))
-loaded = load_model("smollm2-135m", adapter=adapter, dflash=None)
-model = loaded.model
-fused = {id(b): (b.attn.fused, b.mlp.fused) for b in model.layers}
 
-def set_fused(on):
-    for b in model.layers:
-        b.attn.fused, b.mlp.fused = fused[id(b)] if on else (None, None)
+def main() -> None:
+    torch.set_num_threads(2)
+    adapter = sys.argv[1] if len(sys.argv) > 1 else "auto"
+    items = load_items("math", None, None, 5, os.environ["FASTSPEC_DATA"], 128, Console(stderr=True))
+    loaded = load_model("smollm2-135m", adapter=adapter, dflash=None)
+    model = loaded.model
+    fused = {id(b): (b.attn.fused, b.mlp.fused) for b in model.layers}
 
-out = {}
-for rep in range(2):
-    for on in (True, False):
-        set_fused(on)
-        eng = Engine(loaded, backend="compile")
-        prompts = [eng.encode(eng.render_chat([{"role": "user", "content": it.problem}]) if isinstance(it.problem, str)
-                              else eng.render_chat(build_messages(it.problem))) for it in items]
-        p = SamplingParams(max_new_tokens=128)
-        eng.generate(prompts, SamplingParams(max_new_tokens=4), method="linear", block=8)  # warm: steps + prefill buckets
-        t = time.perf_counter()
-        res = eng.generate(prompts, p, method="linear", block=8)
-        dt = time.perf_counter() - t
-        n = sum(len(c.token_ids) for c in res)
-        key = "fused" if on else "per-target"
-        out.setdefault(key, []).append(n / dt)
-        print(key, rep, round(n / dt, 2), "tok/s", n, "tokens", flush=True)
-print(json.dumps(out))
+    def set_fused(on):
+        for b in model.layers:
+            b.attn.fused, b.mlp.fused = fused[id(b)] if on else (None, None)
+
+    out = {}
+    for rep in range(2):
+        for on in (True, False):
+            set_fused(on)
+            eng = Engine(loaded, backend="compile")
+            prompts = [eng.encode(eng.render_chat([{"role": "user", "content": it.problem}]) if isinstance(it.problem, str)
+                                  else eng.render_chat(build_messages(it.problem))) for it in items]
+            p = SamplingParams(max_new_tokens=128)
+            eng.generate(prompts, SamplingParams(max_new_tokens=4), method="linear", block=8)  # warm: steps + prefill buckets
+            t = time.perf_counter()
+            res = eng.generate(prompts, p, method="linear", block=8)
+            dt = time.perf_counter() - t
+            n = sum(len(c.token_ids) for c in res)
+            key = "fused" if on else "per-target"
+            out.setdefault(key, []).append(n / dt)
+            print(key, rep, round(n / dt, 2), "tok/s", n, "tokens", flush=True)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
