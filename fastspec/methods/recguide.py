@@ -40,6 +40,7 @@ from fastspec.config import FastspecError
 from fastspec.convention import aligned_draft_logits, draft_block_mask, draft_adapter_flags
 from fastspec.layout import causal_block
 from fastspec.methods.base import CarrySpec, Plan, RoundOutput, RunInfo
+from fastspec.methods.drafter import exact_first_draft
 from fastspec.methods.linear import BLOCK_SIZES, LinearSS, draft_stats
 from fastspec.sampling import filtered_logprobs, sample_from_logprobs
 from fastspec.survival import SurvivalTables, choose_block, history_signal, stratum
@@ -430,7 +431,7 @@ class RecGuide(LinearSS):
         conv = step.convention
         i = torch.arange(n, device=dev)
         # Aligned index i judges draft p = i + 1; fastspec's d1 is exact: never a branch point.
-        p_min = 2 if conv.shift and conv.seed_attention == "causal" and not conv.seed_adapter else 1
+        p_min = 2 if exact_first_draft(conv) else 1
         judged = ((i + 1)[None, :] >= p_min) & ((i + 1)[None, :] <= blocks[:, None] - 1)
         risky = ((1 - margin) > self.threshold) & judged
         c = risky.long().sum(-1)
