@@ -91,7 +91,7 @@ class D2SD(DrafterChoice, LinearSS):
         return first_reject.topk(self.branches, dim=-1).indices + 1        # [S, K]
 
     def round(self, step, pending, blocks, carry, variant="") -> RoundOutput:
-        n, S, dev = step.width, pending.shape[0], pending.device
+        n, dev = step.width, pending.device
         K, M = self.branches, step.mask_token_id if self.source.name == "self" else \
             self.source.drafter.cfg.mask_token_id
         i = torch.arange(n, device=dev)
