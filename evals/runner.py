@@ -184,12 +184,20 @@ def _too_long(engine, method: str, block, ids: list[int], p: SamplingParams) -> 
             f"but the context is {engine.max_context}")
 
 
+def prompt_token_ids(engine, items: list[Item]) -> list[list[int]]:
+    """Each item's prompt through the model's chat template: its own text as one user turn, or
+    the benchmark's messages (evals/prompts.py)."""
+    from fastspec.evals.prompts import build_messages
+    return [engine.encode(engine.render_chat([{"role": "user", "content": it.problem}])
+                          if isinstance(it.problem, str) else engine.render_chat(build_messages(it.problem)))
+            for it in items]
+
+
 def run_bench(*, model, dtype, backend, device="auto", adapter="auto", dflash="auto", max_new_tokens, temperature,
               top_p, top_k, seed, suite, benches, prompts_file, limit, methods, blocks, concurrency,
               data_dir, json_out, peers, baseline, console: Console, load_engine, weights="fp32"):
     from fastspec.draft import has_adapter
     from fastspec.engine import Engine
-    from fastspec.evals.prompts import build_messages
     from fastspec.evals.report import metrics, print_report
     from fastspec.evals.scoring import score
     from fastspec.files import check_writable, write_json
@@ -218,7 +226,7 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", dflash="a
         if meth.needs_adapter and not has_adapter(engine.model):
             raise FastspecError(f"method {method!r} needs a draft adapter and {model} has none: train "
                                 f"one with `fastspec train-drafter --model {model}` or pass --adapter")
-        if getattr(meth, "needs_dflash", False) and getattr(engine.model, "dflash", None) is None:
+        if meth.needs_dflash and getattr(engine.model, "dflash", None) is None:
             raise FastspecError(f"method {method!r} needs a DFlash drafter and {model} has none: train "
                                 f"one with `fastspec train-drafter --kind dflash --model {model}` or "
                                 f"pass --dflash DIR")
@@ -226,9 +234,7 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", dflash="a
     console.print(f"[dim]{model} on {env['device']}, {env['dtype']}, backend {env['backend']}, "
                   f"weights {env['weights']}, kernel {env['kernel']} (CPU ISA {env['isa']})[/]",
                   highlight=False)
-    texts = [engine.render_chat([{"role": "user", "content": it.problem}]) if isinstance(it.problem, str)
-             else engine.render_chat(build_messages(it.problem)) for it in items]
-    prompt_ids = [engine.encode(t) for t in texts]
+    prompt_ids = prompt_token_ids(engine, items)
     records: list[Record] = []
     runs: list[dict] = []
     reference: dict[tuple[int, int], list[int]] = {}

@@ -14,7 +14,7 @@ import torch
 
 from fastspec.config import FastspecError
 from fastspec.methods.base import Plan, RoundOutput
-from fastspec.methods.linear import LinearSS, draft_stats
+from fastspec.methods.linear import LinearSS
 from fastspec.sampling import SamplingParams
 from fastspec.survival import Observation, SurvivalTables, history_signal, stratum
 from fastspec.verify import accept_chain

@@ -168,7 +168,7 @@ class Step:
         # stops first); clamping keeps their lookup in range instead of a device assert.
         pos = pos.clamp(max=self.max_position)
         return self.model(ids, pos, self.k, self.v, cols, mask, self.slots, adapter_on,
-                          **({"capture": capture} if capture else {}))
+                          capture=capture)
 
 
 def compact_path(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,

@@ -14,8 +14,7 @@ import time
 import torch
 from rich.console import Console
 from fastspec.engine import Engine
-from fastspec.evals.runner import load_items
-from fastspec.evals.prompts import build_messages
+from fastspec.evals.runner import load_items, prompt_token_ids
 from fastspec.model.loader import load_model
 from fastspec.sampling import SamplingParams
 
@@ -37,8 +36,7 @@ def main() -> None:
         for on in (True, False):
             set_fused(on)
             eng = Engine(loaded, backend="compile")
-            prompts = [eng.encode(eng.render_chat([{"role": "user", "content": it.problem}]) if isinstance(it.problem, str)
-                                  else eng.render_chat(build_messages(it.problem))) for it in items]
+            prompts = prompt_token_ids(eng, items)
             p = SamplingParams(max_new_tokens=128)
             eng.generate(prompts, SamplingParams(max_new_tokens=4), method="linear", block=8)  # warm: steps + prefill buckets
             t = time.perf_counter()

@@ -72,6 +72,7 @@ class Method:
     """
     name = "?"
     needs_adapter = False
+    needs_dflash = False            # drafts with a DFlash drafter the run's model must carry
     layout = "?"                    # the GraphKey layout of a round
     forwards = 1                    # model forwards per round (see forwards_for)
     # True: rows with different blocks run in separate steps, each padded to its own bucket.

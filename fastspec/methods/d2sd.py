@@ -92,8 +92,7 @@ class D2SD(DrafterChoice, LinearSS):
 
     def round(self, step, pending, blocks, carry, variant="") -> RoundOutput:
         n, dev = step.width, pending.device
-        K, M = self.branches, step.mask_token_id if self.source.name == "self" else \
-            self.source.drafter.cfg.mask_token_id
+        K, M = self.branches, self.source.mask_token_id(step)
         i = torch.arange(n, device=dev)
         positions = draft_positions(self.source, step, n, dev)               # [S, n] or None
 

@@ -94,13 +94,7 @@ class DFlash(DrafterChoice, Method):
         return Plan(seq.block)
 
     def report(self) -> dict:
-        r = self.source.report()
-        return {"drafter_forwards": self.drafter_forwards, "window": r["window"],
-                "drafter_layers": r["drafter_layers"], "prompt_context": r["prompt_context"]}
-
-    @property
-    def prefilled(self) -> int:
-        return self.source.prefilled
+        return {"drafter_forwards": self.drafter_forwards, **self.source.report()}
 
     # --- inside the step --------------------------------------------------------------------
     def round(self, step, pending, blocks, carry, variant="") -> RoundOutput:

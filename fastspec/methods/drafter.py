@@ -80,8 +80,16 @@ class AdapterDraft:
     has_context = False              # no carried state: positions are not needed
     prefill_capture = None
 
+    missing_drafter = False
+
     def key_name(self) -> str:
         return "self"
+
+    def bind_run(self, run) -> None:
+        pass
+
+    def mask_token_id(self, step) -> int:
+        return step.mask_token_id
 
     def carry_spec(self) -> dict:
         return {}
@@ -140,6 +148,18 @@ class DFlashDraft:
             raise FastspecError(NO_DRAFTER)
         self.drafter = drafter
         return self
+
+    def bind_run(self, run) -> None:
+        """At a run's start: without a drafter of its own, take the run model's."""
+        if self.drafter is None:
+            self.bind(getattr(run, "model", None))
+
+    @property
+    def missing_drafter(self) -> bool:
+        return self.drafter is None
+
+    def mask_token_id(self, step) -> int:
+        return self.bound().cfg.mask_token_id
 
     def bound(self) -> DFlashDrafter:
         if self.drafter is None:
@@ -330,7 +350,7 @@ class DrafterChoice:
     @property
     def needs_dflash(self) -> bool:
         """Drafts with a DFlash drafter it was not given: the run's model must carry one."""
-        return isinstance(self.source, DFlashDraft) and self.source.drafter is None
+        return self.source.missing_drafter
 
     @property
     def prefill_capture(self):
@@ -344,5 +364,4 @@ class DrafterChoice:
 
     def bind_drafter(self, run) -> None:
         """At a run's start: a DFlash source without a drafter takes the run model's."""
-        if isinstance(self.source, DFlashDraft) and self.source.drafter is None:
-            self.source.bind(getattr(run, "model", None))
+        self.source.bind_run(run)

@@ -18,8 +18,7 @@ import torch
 
 from fastspec.config import FastspecError
 from fastspec.methods.base import Method, RoundOutput
-from fastspec.methods.drafter import (AdapterDraft, chain_round, draft_logits, draft_stats,  # noqa: F401
-                                     sample_drafts)
+from fastspec.methods.drafter import AdapterDraft, chain_round, draft_logits, sample_drafts
 
 BLOCK_SIZES = (4, 8, 16, 32)
 SELF_DRAFT = AdapterDraft()         # the backbone drafts with its adapter (methods/drafter.py)

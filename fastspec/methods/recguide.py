@@ -40,8 +40,8 @@ from fastspec.config import FastspecError
 from fastspec.convention import aligned_draft_logits, draft_block_mask, draft_adapter_flags
 from fastspec.layout import causal_block
 from fastspec.methods.base import CarrySpec, Plan, RoundOutput, RunInfo
-from fastspec.methods.drafter import exact_first_draft
-from fastspec.methods.linear import BLOCK_SIZES, LinearSS, draft_stats
+from fastspec.methods.drafter import draft_stats, exact_first_draft
+from fastspec.methods.linear import BLOCK_SIZES, LinearSS
 from fastspec.sampling import filtered_logprobs, sample_from_logprobs
 from fastspec.survival import SurvivalTables, choose_block, history_signal, stratum
 from fastspec.verify import accept_chain

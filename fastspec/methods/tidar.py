@@ -49,7 +49,8 @@ import torch
 from fastspec.config import FastspecError
 from fastspec.convention import aligned_draft_logits
 from fastspec.methods.base import CarrySpec, Method, Plan, RoundOutput
-from fastspec.methods.linear import LinearSS, draft_stats
+from fastspec.methods.drafter import draft_stats
+from fastspec.methods.linear import LinearSS
 from fastspec.methods.recguide import aligned_bonus_guess, alternatives, overlap_layout
 from fastspec.sampling import filtered_logprobs, sample_from_logprobs
 from fastspec.verify import accept_chain
