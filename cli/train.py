@@ -11,6 +11,9 @@ with JSON scalars) is checkpointed under $FASTSPEC_CACHE/train/, so an interrupt
 with the same command (SIGTERM saves a checkpoint too); the loss / acceptance log is
 `<out>/train_log.jsonl`, whose first line per (re)start records the command, data and convention.
 One adapter serves every block size: `--blocks` is the mixture of block sizes drawn per block.
+`--seedless P` also trains a share P of the blocks in TiDAR's seedless pre-draft layout (the seed
+slot masked too: drafting past a correction not emitted yet); the adapter's convention then says
+`seedless`, and `--method tidar` lays out its pre-drafts that way.
 
 `--kind dflash` trains a DFlash drafter instead (fastspec/train/dflash.py): `--draft-layers`
 decoder layers reading the target layers `--target-layers`, blocks of `--draft-block`, saved in the
@@ -120,6 +123,9 @@ DEFAULT_BLOCKS = "4:0.2,8:0.3,16:0.25,32:0.25"
               help="Loss weight of block position i is decay**(i-1).")
 @click.option("--partial-prob", type=float, default=0.2, show_default=True,
               help="Chance that a block is partially masked instead of all-MASK.")
+@click.option("--seedless", type=float, default=0.0, show_default=True,
+              help="Chance that a block is TiDAR's seedless pre-draft (its seed slot masked "
+                   "too); > 0 marks the adapter so `tidar` pre-drafts that way.")
 @click.option("--init-adapter", type=click.Path(file_okay=False), default=None,
               help="Start from this saved adapter (same rank; its targets among this run's, new "
                    "ones start as the identity) instead of a fresh one; a "
@@ -243,7 +249,7 @@ def train_config(o: dict):
                        targets=tuple(t.strip() for t in o["targets"].split(",") if t.strip()),
                        lr=o["lr"], warmup_steps=o["warmup_steps"], minutes=o["minutes"],
                        max_steps=o["max_steps"], kl_weight=o["kl_weight"], pos_decay=o["pos_decay"],
-                       partial_prob=o["partial_prob"], seed=o["seed"])
+                       partial_prob=o["partial_prob"], seedless_prob=o["seedless"], seed=o["seed"])
 
 
 def dflash_config(o: dict):
@@ -302,6 +308,8 @@ def full_command(o: dict, cfg) -> str:
              "--warmup-steps", str(cfg.warmup_steps), "--minutes", _num(cfg.minutes),
              "--kl-weight", _num(cfg.kl_weight), "--pos-decay", _num(cfg.pos_decay),
              "--partial-prob", _num(cfg.partial_prob), "--seed", str(cfg.seed)]
+    if cfg.seedless_prob > 0:
+        argv += ["--seedless", _num(cfg.seedless_prob)]
     if cfg.max_steps is not None:
         argv += ["--max-steps", str(cfg.max_steps)]
     if o.get("threads"):

@@ -16,6 +16,11 @@ Draft block for a round whose committed prefix ends at L, seed s (not yet in the
         attends     s M M M (all)        (every block token sees the prefix and the whole block)
         predicts    -   d1  d2  d3       logit at block position i -> token at L+i (filled in place)
 
+Seedless block (TiDAR's pre-draft for a correction not emitted yet; `seedless` adapters are
+trained on it): the seed slot is a MASK too, adapter on everywhere, the whole block bidirectional.
+Shifted, its logit i still predicts L+i+1 (so d1 is a guess, not exact); unshifted, logit 0 is an
+in-place guess of the seed itself.
+
 Either way `aligned_draft_logits` returns logits whose index i proposes d(i+1), the token after
 verify input i, so the verifier and every method read drafts the same way; the last index of an
 unshifted block has nothing to propose and repeats the one before (never judged: a row of width
@@ -38,6 +43,10 @@ class DraftConvention:
     seed_attention: str = "causal"   # "causal": the seed sees prefix + itself; "block": the block
     seed_adapter: bool = False       # the adapter is on for the seed token
     lora_dtype: str = "model"        # "fp32": LoRA deltas computed in fp32 under a bf16 model
+    # Also trained on TiDAR's seedless pre-draft: a block whose first token is a MASK standing
+    # for a seed the verifier has not emitted yet (adapter on, whole block bidirectional), so it
+    # drafts the tokens after an unknown correction (`train-drafter --seedless`).
+    seedless: bool = False
 
     def __post_init__(self):
         if self.seed_attention not in ("causal", "block"):
@@ -90,6 +99,15 @@ def draft_block_mask(conv: DraftConvention, blocks: torch.Tensor, n: int) -> tor
         sees_block = sees_block & (i[None, :, None] > 0)
     eye = torch.eye(n, dtype=torch.bool, device=blocks.device)
     return sees_block | eye[None]
+
+
+def seedless_block_mask(blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """[S, n, n] attention inside a seedless block: every valid token sees the whole block (the
+    first is a MASK too); padding sees only itself."""
+    i = torch.arange(n, device=blocks.device)
+    valid = i[None, :] < blocks[:, None]
+    eye = torch.eye(n, dtype=torch.bool, device=blocks.device)
+    return (valid[:, :, None] & valid[:, None, :]) | eye[None]
 
 
 def draft_adapter_flags(conv: DraftConvention, rows: int, n: int, device=None) -> torch.Tensor:

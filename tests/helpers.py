@@ -132,3 +132,14 @@ def hf_logits(directory, ids: torch.Tensor) -> torch.Tensor:
     hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
     with torch.no_grad():
         return hf(ids).logits
+
+
+def prefilled_engine(loaded, prefix, max_len=64):
+    """An eager engine with one slot whose committed prefix is `prefix` (its K/V in the cache)."""
+    from fastspec.engine import Engine
+    engine = Engine(loaded, backend="eager")
+    engine.prepare(1, max_len)
+    engine.cache.lengths.zero_()
+    engine.forward(torch.tensor([list(prefix)]), causal_block(len(prefix)))
+    engine.cache.lengths[0] = len(prefix)
+    return engine

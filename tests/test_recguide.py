@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from conftest import random_token_prompts, tiny_drafter
-from helpers import EOS, MASK, FakeStep, copy_model, exact_pair_law, logits_from
+from helpers import EOS, MASK, FakeStep, copy_model, exact_pair_law, logits_from, prefilled_engine
 from fastspec.convention import FASTSPEC, NLD
 from fastspec.engine import Engine, Step
 from fastspec.methods.base import RunInfo
-from fastspec.layout import causal_block
 from fastspec.methods.recguide import (H_COVERED, H_HIT, H_RISKY, H_SLOTS, H_WANTED, RecGuide)
 from fastspec.sampling import SamplerState, SamplingParams
 
@@ -35,8 +34,8 @@ def branch_logits(tokens):
     return torch.stack([logits_from({t: 0.7}) for t in tokens])[None]
 
 
-def run_round(verify_targets, variant="draft2", carry=None, policy="reference"):
-    m = RecGuide(block=4, policy=policy)
+def run_round(verify_targets, variant="draft2", carry=None, policy="reference", seed="guess"):
+    m = RecGuide(block=4, policy=policy, seed=seed)
     m.eos_ids = (EOS,)
     corr, cont = branch_logits([2, 4, 8, 0]), branch_logits([1, 2, 3, 4])
     overlap = torch.cat([verify_targets, corr, cont], 1)
@@ -110,6 +109,23 @@ def test_a_hit_round_verifies_the_carried_draft_in_one_forward():
     assert out.n_emitted.tolist() == [4]
 
 
+def test_a_seedless_correction_is_all_masks_and_hit_by_any_correction_at_its_position():
+    """seed=mask: the correction branch is [M M M M] at L+2 (adapter on, bidirectional, seeing
+    s d1); it is hit when d2 is the first rejection, whatever the verifier emitted there."""
+    _, step, out = run_round(target(3, 8, 0, 0), seed="mask")        # emits 8, not alt_2 = 6
+    overlap = step.calls[1]
+    M = MASK
+    assert overlap["ids"].tolist() == [[4, 3, 5, 7,  M, M, M, M,  1, M, M, M]]
+    assert overlap["rel"].tolist() == [[0, 1, 2, 3,  2, 3, 4, 5,  4, 5, 6, 7]]
+    assert overlap["adapter"].int().tolist() == [[0, 0, 0, 0,  1, 1, 1, 1,  0, 1, 1, 1]]
+    assert overlap["mask"][0, 4:8].int().tolist() == [[1, 1, 0, 0,  1, 1, 1, 1,  0, 0, 0, 0]] * 4
+    assert out.emitted[0, :2].tolist() == [3, 8]
+    assert out.host[0, H_COVERED:H_COVERED + 3].tolist() == [1, 0, 0]
+    assert out.carry["valid"].tolist() == [1] and out.carry["drafts"].tolist() == [[2, 4, 8, 0]]
+    _, _, out = run_round(target(2, 0, 0, 0), seed="mask")           # d1 rejected: no branch
+    assert out.carry["valid"].tolist() == [0]
+
+
 def test_likelihood_policy_ranks_branches_by_the_drafters_probabilities():
     m = RecGuide(block=4, policy="likelihood")
     prob = torch.tensor([[0.9, 0.45, 0.9, 0.8]])
@@ -142,13 +158,7 @@ def test_a_branch_drafts_exactly_what_the_next_rounds_draft_forward_would(drafte
     model = drafter.model
     model.draft_convention = convention
     try:
-        engine = Engine(drafter, backend="eager")
-        engine.prepare(1, 64)
-        c = engine.cache
-        prefix = torch.tensor([[11, 12, 13, 14, 15]])
-        c.lengths.zero_()
-        engine.forward(prefix, causal_block(5))
-        c.lengths[0] = 5
+        c = prefilled_engine(drafter, [11, 12, 13, 14, 15]).cache
         n = 8
         verify = torch.tensor([[20, 21, 22, 23, 24, 25, 26, 27]])
         alt = torch.tensor([99])
@@ -179,6 +189,23 @@ def test_greedy_recguide_equals_ar(drafter, branches, concurrency):
         out = engine.generate(ps, params, method=RecGuide(block=8, branches=branches, policy=policy),
                               concurrency=concurrency)
         assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+
+
+@pytest.mark.parametrize("convention", [FASTSPEC, NLD], ids=["fastspec", "nld"])
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_greedy_seedless_recguide_equals_ar(drafter, convention, concurrency):
+    drafter.model.draft_convention = convention
+    try:
+        engine = Engine(drafter, backend="eager")
+        ps = prompts(6, seed=20 + concurrency)
+        params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+        ar = engine.generate(ps, params, method="ar", concurrency=concurrency)
+        for policy in ("reference", "likelihood"):
+            m = RecGuide(block=8, branches=3, policy=policy, seed="mask")
+            out = engine.generate(ps, params, method=m, concurrency=concurrency)
+            assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    finally:
+        drafter.model.draft_convention = None
 
 
 class MixedBlocks(RecGuide):
@@ -266,21 +293,23 @@ def test_hits_happen_on_a_predictable_model_and_output_stays_ar():
 
 
 
-def test_sampled_recguide_preserves_the_target_distribution():
+@pytest.mark.parametrize("seed", ["guess", "mask"])
+def test_sampled_recguide_preserves_the_target_distribution(seed):
     """The joint law of the 4th and 5th sampled tokens (past the first round, where carried
-    branch drafts are verified): RecGuide's empirical law approaches AR's exact law, the TV
-    distance shrinking with the sample count."""
+    branch drafts are verified; seedless ones too, drafted before the correction was drawn):
+    RecGuide's empirical law approaches AR's exact law, the TV distance shrinking with the
+    sample count."""
     V = 4
     t = copy_model(vocab=V, scale=0.5)
     engine = Engine(t, backend="eager")
     prompt = [0, 1, 0, 1, 0]
     exact = exact_pair_law(engine, prompt, 3, 4, 5)
-    m = RecGuide(block=4, branches=3, policy="likelihood")
-    counts, tv, reused, seed = torch.zeros(V, V), [], 0, 0
+    m = RecGuide(block=4, branches=3, policy="likelihood", seed=seed)
+    counts, tv, reused, first = torch.zeros(V, V), [], 0, 0
     for n in (400, 3200):
         params = [SamplingParams(temperature=1.0, max_new_tokens=5, seed=s, ignore_eos=True)
-                  for s in range(seed, seed + n)]
-        seed += n
+                  for s in range(first, first + n)]
+        first += n
         for c in engine.generate([prompt] * n, params, method=m, concurrency=16):
             counts[c.token_ids[3], c.token_ids[4]] += 1
         reused += m.report()["reused"]

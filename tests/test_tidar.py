@@ -2,6 +2,7 @@
 block for every accepted prefix; the sub-block of the accepted length becomes the next draft,
 right seed or not, and the output is still exactly AR's."""
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,10 +10,9 @@ import torch
 from conftest import random_token_prompts, tiny_drafter
 from fastspec.convention import FASTSPEC, NLD, aligned_draft_logits
 from fastspec.engine import Engine, Step
-from fastspec.layout import causal_block
 from fastspec.methods.tidar import H_ACCEPTED, H_SEED_HIT, H_VALID, TiDAR
 from fastspec.sampling import SamplerState, SamplingParams
-from helpers import FakeStep, copy_model, exact_pair_law, logits_from
+from helpers import FakeStep, copy_model, exact_pair_law, logits_from, prefilled_engine
 
 V, MASK, EOS, M = 10, 10, 9, 10
 SEED = 4
@@ -90,6 +90,47 @@ def test_unshifted_layout_seeds_the_corrections_and_leaves_the_bonus_a_mask():
     assert torch.equal(mask[0].int(), want)
 
 
+def test_seedless_layout_masks_the_correction_seeds():
+    """seed=mask: the correction sub-blocks are [M M M] (adapter on, bidirectional), drafting
+    past a correction not emitted yet; the all-accepted one keeps the bonus guess (shifted)."""
+    step = FakeStep([], 3)
+    ids, mask, adapter, rel = TiDAR(block=3, seed="mask").layout_tokens(
+        step, torch.tensor([[SEED, 3, 5]]), torch.tensor([[8, 6, 0]]), torch.tensor([1]))
+    assert ids.tolist() == [[SEED, 3, 5,  M, M, M,  M, M, M,  1, M, M]]
+    assert rel.tolist() == [[0, 1, 2,  1, 2, 3,  2, 3, 4,  3, 4, 5]]
+    assert adapter.int().tolist() == [[0, 0, 0,  1, 1, 1,  1, 1, 1,  0, 1, 1]]
+    want = torch.tensor([
+        [1, 0, 0,  0, 0, 0,  0, 0, 0,  0, 0, 0],
+        [1, 1, 0,  0, 0, 0,  0, 0, 0,  0, 0, 0],
+        [1, 1, 1,  0, 0, 0,  0, 0, 0,  0, 0, 0],
+        [1, 0, 0,  1, 1, 1,  0, 0, 0,  0, 0, 0],     # the masked seed sees its whole block
+        [1, 0, 0,  1, 1, 1,  0, 0, 0,  0, 0, 0],
+        [1, 0, 0,  1, 1, 1,  0, 0, 0,  0, 0, 0],
+        [1, 1, 0,  0, 0, 0,  1, 1, 1,  0, 0, 0],
+        [1, 1, 0,  0, 0, 0,  1, 1, 1,  0, 0, 0],
+        [1, 1, 0,  0, 0, 0,  1, 1, 1,  0, 0, 0],
+        [1, 1, 1,  0, 0, 0,  0, 0, 0,  1, 0, 0],     # the bonus guess: a causal seed
+        [1, 1, 1,  0, 0, 0,  0, 0, 0,  1, 1, 1],
+        [1, 1, 1,  0, 0, 0,  0, 0, 0,  1, 1, 1]])
+    assert torch.equal(mask[0].int(), want)
+    # auto follows the adapter's convention.
+    assert not TiDAR(block=3).seedless(step)
+    assert TiDAR(block=3).seedless(FakeStep([], 3, convention=replace(FASTSPEC, seedless=True)))
+    assert not TiDAR(block=3, seed="guess").seedless(
+        FakeStep([], 3, convention=replace(FASTSPEC, seedless=True)))
+
+
+def test_a_seedless_sub_block_is_selected_like_a_seeded_one_and_never_counts_a_seed_hit():
+    m = TiDAR(block=3, seed="mask")
+    m.eos_ids = (EOS,)
+    subs = [torch.stack([logits_from({t: 0.7}) for t in toks])[None] for toks in SUB_BLOCKS]
+    step = FakeStep([DRAFT, torch.cat([target(3, 6, 0), *subs], 1)], 3)
+    out = m.round(step, torch.tensor([SEED]), torch.tensor([3]), {}, "cold")
+    assert out.emitted[0, :out.n_emitted[0]].tolist() == [3, 6]
+    assert out.carry["drafts"].tolist() == [SUB_BLOCKS[1]]
+    assert out.host[0, H_SEED_HIT].item() == 0          # emitted 6 = alt, but nothing guessed it
+
+
 @pytest.mark.parametrize("verified, emitted, sub_block, seed_hit", [
     ((3, 6, 0), [3, 6], 1, 1),        # d2 rejected, the verifier emits alt 6: right seed
     ((3, 7, 0), [3, 7], 1, 0),        # d2 rejected, emits 7: wrong seed, same sub-block
@@ -129,12 +170,7 @@ def test_every_sub_block_drafts_what_the_next_rounds_draft_forward_would(drafter
     model = drafter.model
     model.draft_convention = convention
     try:
-        engine = Engine(drafter, backend="eager")
-        engine.prepare(1, 64)
-        c = engine.cache
-        c.lengths.zero_()
-        engine.forward(torch.tensor([[11, 12, 13, 14, 15]]), causal_block(5))
-        c.lengths[0] = 5
+        c = prefilled_engine(drafter, [11, 12, 13, 14, 15]).cache
         n = 4
         slot = torch.tensor([0])
         verify = torch.tensor([[20, 21, 22, 23]])
@@ -159,6 +195,54 @@ def test_every_sub_block_drafts_what_the_next_rounds_draft_forward_would(drafter
             assert torch.allclose(got, fresh, atol=1e-4), (j, (got - fresh).abs().max())
     finally:
         model.draft_convention = None
+
+
+@pytest.mark.parametrize("convention", [FASTSPEC, NLD], ids=["fastspec", "nld"])
+def test_a_seedless_sub_block_is_the_training_layouts_seedless_block(drafter, convention):
+    """What `train-drafter --seedless` trains is what the round's forward runs: sub-block j < B-1
+    (seed=mask) has the logits of the training pass's seedless block starting at L+j+1 over the
+    committed `prefix s d1 .. dj`."""
+    from fastspec.train.data import Example
+    from fastspec.train.trainer import draft_logits, make_batch
+    model = drafter.model
+    model.draft_convention = convention
+    try:
+        prefix = [11, 12, 13, 14, 15]
+        c = prefilled_engine(drafter, prefix).cache
+        n = 4
+        verify = torch.tensor([[20, 21, 22, 23]])
+        step = Step(model, c.k, c.v, c.lengths[:1].clone(), torch.tensor([0]), SamplerState(1), n)
+        ids, mask, adapter, rel = TiDAR(block=n, seed="mask").layout_tokens(
+            step, verify, torch.tensor([[30, 31, 32, 33]]), torch.tensor([40]))
+        with torch.no_grad():
+            logits = step.forward(ids, mask, adapter_on=adapter, rel_positions=rel)
+        ex = Example(prefix, verify[0].tolist() + [24, 25, 26, 27, 28])
+        for j in range(n - 1):
+            b = make_batch([ex], torch.tensor([[5 + j + 1]]), torch.zeros(1, 1, n, dtype=torch.bool),
+                           n, model.mask_token_id, conv=convention, seedless=torch.tensor([[True]]))
+            assert b.block_ids[0].tolist() == [model.mask_token_id] * n
+            with torch.no_grad():
+                trained = draft_logits(model, b)[0]
+            sub = logits[0, n + j * n: n + (j + 1) * n]
+            assert torch.allclose(trained, sub, atol=1e-4), (j, (trained - sub).abs().max())
+    finally:
+        model.draft_convention = None
+
+
+@pytest.mark.parametrize("convention", [FASTSPEC, NLD], ids=["fastspec", "nld"])
+def test_greedy_seedless_tidar_equals_ar(drafter, convention):
+    drafter.model.draft_convention = convention
+    try:
+        engine = Engine(drafter, backend="eager")
+        ps = prompts(5, seed=10)
+        params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+        ar = engine.generate(ps, params, method="ar", concurrency=3)
+        m = TiDAR(block=4, seed="mask")
+        out = engine.generate(ps, params, method=m, concurrency=3)
+        assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+        assert m.report()["warm_rounds"] > 0
+    finally:
+        drafter.model.draft_convention = None
 
 
 def prompts(n, seed=0):
@@ -240,7 +324,7 @@ def test_compiled_tidar_rounds_equal_ar_without_recompiles(drafter):
     out = engine.generate(ps, params, method=TiDAR(block=3), concurrency=3)
     assert [c.token_ids for c in out] == [c.token_ids for c in ar]
     assert engine.last_stats.recompiles == 0
-    layouts = {k.layout for k in engine.runner.stats() if k.method == "tidar(B=3)"}
+    layouts = {k.layout for k in engine.runner.stats() if k.method == "tidar(B=3,seed=auto)"}
     assert layouts == {"tidar:cold", "tidar:warm"}
 
 

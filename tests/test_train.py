@@ -134,6 +134,39 @@ def test_make_batch_targets_and_partial_masking():
     assert b.weights.tolist() == [[0, 1, 0, 0.25, 0, 1, 0.5, 0]]
 
 
+@pytest.mark.parametrize("conv", [FASTSPEC, NLD], ids=["fastspec", "nld"])
+def test_a_seedless_block_masks_its_seed_and_trains_position_zero(conv):
+    """TiDAR's seedless pre-draft: the seed slot is a MASK too, the whole block sees itself, the
+    adapter is on everywhere, and position 0 is trained (shifted: x_{s+1}; unshifted: x_s)."""
+    from fastspec.train.trainer import training_adapter_flags
+    ex = Example([5], list(range(10, 22)))               # the token at position p is 9 + p
+    keep = torch.ones(1, 2, 3, dtype=torch.bool)          # ignored in a seedless block
+    b = make_batch([ex], torch.tensor([[1, 3]]), torch.zeros(1, 2, 3, dtype=torch.bool) | keep, 3,
+                   mask_id=512, conv=conv, seedless=torch.tensor([[True, False]]))
+    assert b.block_ids.tolist() == [[512, 512, 512, 12, 13, 14]]
+    first = [11, 12, 13] if conv.shift else [10, 11, 12]
+    assert b.targets[0, :3].tolist() == first
+    assert b.weights[0, 0].item() == 1.0
+    assert b.all_masked.tolist() == [[False, False]] and b.seedless.tolist() == [[True, False]]
+    inner = training_mask(b)[0, :, b.clean_len:]
+    assert inner[:3, :3].all() and not inner[:3, 3:].any()
+    assert training_adapter_flags(b)[0, :3].all()
+    assert training_adapter_flags(b)[0, 3].item() == conv.seed_adapter
+
+
+def test_a_seedless_run_marks_its_adapter_and_logs_its_tau():
+    cfg = small_cfg(seedless_prob=0.5)
+    assert cfg.adapter_config().convention["seedless"] is True
+    assert small_cfg().adapter_config().convention["seedless"] is False
+    loaded = tiny_loaded()
+    tr = DraftTrainer(loaded.model, random_examples(2), cfg)
+    assert loaded.model.draft_convention.seedless
+    b = tr.sample_batch()
+    assert b.seedless.any() and not b.seedless.all()
+    _, metrics = draft_loss(loaded.model, b)
+    assert 1.0 <= metrics["tau_seedless"].item() <= B
+
+
 def inference_draft_logits(model, ids, s, size, conv, mask_id):
     """The engine's draft forward for a round whose committed prefix is ids[:s]: prefill, then
     the block [x_s, MASK x (size-1)] laid out by the convention."""
@@ -487,8 +520,15 @@ def test_train_drafter_command_end_to_end(tmp_path, monkeypatch):
     assert r.exit_code == 1 and "convention" in r.output, r.output      # not the checkpoint's
 
 
-def test_train_drafter_nld_convention_writes_its_convention(tmp_path, monkeypatch):
+@pytest.mark.parametrize("seedless", ["0", "0.5"])
+def test_train_drafter_nld_convention_writes_its_convention(tmp_path, monkeypatch, seedless):
+    """The adapter records the convention it was trained for, seedless (TiDAR) blocks included;
+    `tidar` (seed=auto) then lays out seedless pre-drafts."""
+    from dataclasses import replace
+
     from click.testing import CliRunner
+
+    from fastspec.methods.tidar import TiDAR
 
     from fastspec.cli.train import train_drafter
     monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path / "cache"))
@@ -498,9 +538,13 @@ def test_train_drafter_nld_convention_writes_its_convention(tmp_path, monkeypatc
         "--model", "tiny-random", "--out", str(out), "--train-data", str(g), "--max-prompts", "2",
         "--target-tokens", "10", "--blocks", "4", "--blocks-per-seq", "2", "--seqs-per-step", "2",
         "--rank", "4", "--max-steps", "1", "--gen-concurrency", "2", "--device", "cpu",
-        "--gen-backend", "eager", "--convention", "nld"])
+        "--gen-backend", "eager", "--convention", "nld", "--seedless", seedless])
     assert r.exit_code == 0, r.output
-    assert json.loads((out / "adapter_config.json").read_text())["convention"] == NLD.to_dict()
+    want = replace(NLD, seedless=seedless != "0")
+    conf = json.loads((out / "adapter_config.json").read_text())
+    assert conf["convention"] == want.to_dict()
+    assert ("--seedless 0.5" in conf["meta"]["command"]) == want.seedless
     m = tiny_loaded().model
     load_adapter(m, str(out))
-    assert m.draft_convention == NLD
+    assert m.draft_convention == want
+    assert TiDAR().seedless(type("S", (), {"convention": m.draft_convention})()) == want.seedless

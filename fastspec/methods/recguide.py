@@ -31,6 +31,14 @@ Reuse: correction p hits iff the first rejection is at p and the verifier emitte
 continuation iff every draft was accepted and its guess of the bonus equals the bonus. A hit carries the branch's drafts (and, when sampling,
 their log-probs: acceptance stays lossless) into the next round, which then skips its draft
 forward: that round is one forward.
+
+Seedless corrections (`recguide[seed=mask]`, an extension beyond the paper, for an adapter trained
+with `train-drafter --seedless`): correction branch p is `[M×B]` at L+p (adapter on, bidirectional,
+TiDAR's pre-draft layout), drafting what follows the correction without guessing it. It hits
+whenever the first rejection is at p, whatever the verifier emitted; the next round then verifies
+`[emitted, d1' ..]`. Coverage no longer waits on the alternative token being right, at the price
+of drafts that did not see the correction (shifted: d1' is a guess, not exact). The likelihood
+policy scores such a branch by P(first rejection at p) ≈ Π_{i<p} q(d_i) · (1 − q(d_p)).
 """
 from __future__ import annotations
 
@@ -108,12 +116,15 @@ class RecGuide(LinearSS):
                  continuation: bool = True, branches: str | int = "gate", prior_hits: float = 0.3,
                  policy: str = "reference", blocks: tuple[int, ...] | None = None,
                  tables: SurvivalTables | str | None = None, objective: str = "ratio", rho: float = 0.0,
-                 use_signal: bool = True, use_stratum: bool = True, bucketing: bool = True):
+                 use_signal: bool = True, use_stratum: bool = True, bucketing: bool = True,
+                 seed: str = "guess"):
         """block: the (starting) block size. blocks: the set each request chooses from per round
         (None: `block` only, fixed). tables: survival tables (None: a geometric cold start from
         the history signal). branches: "gate" (the cost gate picks the slot count each round) or
         a fixed count. prior_hits: the hit rate assumed for a slot before any round is observed.
-        use_signal / use_stratum / bucketing: the ablation steps of the adaptive block size."""
+        use_signal / use_stratum / bucketing: the ablation steps of the adaptive block size.
+        seed: how a correction branch starts: "guess" (the alternative token, the paper's) or
+        "mask" (seedless: hit by any correction at its position; see the module doc)."""
         super().__init__(block)
         blocks = (blocks,) if isinstance(blocks, int) else blocks
         self.blocks = tuple(sorted(set(blocks or (block,))))
@@ -132,6 +143,9 @@ class RecGuide(LinearSS):
             raise FastspecError(f"--branch-policy must be reference or likelihood, got {policy!r}")
         if objective not in ("ratio", "penalty"):
             raise FastspecError(f"--block-objective must be ratio or penalty, got {objective!r}")
+        if seed not in ("guess", "mask"):
+            raise FastspecError(f"recguide: seed must be guess or mask, got {seed!r}")
+        self.seedless_corrections = seed == "mask"
         self.policy = policy
         self.threshold = threshold
         self.max_corrections = max_corrections
@@ -156,7 +170,7 @@ class RecGuide(LinearSS):
     def key_name(self) -> str:
         return (f"recguide({self.policy},t={self.threshold},corr={self.max_corrections},"
                 f"cont={int(self.continuation)},blocks={'/'.join(map(str, self.blocks))},"
-                f"bucketing={int(self.bucketing)})")
+                f"bucketing={int(self.bucketing)}{',seedless' if self.seedless_corrections else ''})")
 
     def begin(self, run) -> None:
         if run is not None:
@@ -350,14 +364,17 @@ class RecGuide(LinearSS):
         bonus_guess = drafts.gather(1, (blocks - 1)[:, None])[:, 0]
         slot_idx, slot_cont, wanted, c = self.candidates(step, blocks, margin, prob, alt_prob,
                                                          bonus_guess)
-        cont_first = bonus_guess if step.convention.shift else torch.full_like(bonus_guess,
-                                                                               step.mask_token_id)
+        mask_tok = torch.full_like(bonus_guess, step.mask_token_id)
+        cont_first = bonus_guess if step.convention.shift else mask_tok
+        corr_seeded = not self.seedless_corrections   # a Python flag: fixed at trace time
         anchors, firsts, seeded = [], [], []
         for j in range(k_slots):
             idx, cont = slot_idx[:, j], slot_cont[:, j]
             anchors.append(torch.where(cont, blocks, idx + 1))
-            firsts.append(torch.where(cont, cont_first, alt[rows, idx]))
-            seeded.append(torch.ones_like(cont) if step.convention.shift else ~cont)
+            corr_first = alt[rows, idx] if corr_seeded else mask_tok
+            firsts.append(torch.where(cont, cont_first, corr_first))
+            seeded.append(torch.where(cont, torch.full_like(cont, step.convention.shift),
+                                      torch.full_like(cont, corr_seeded)))
         verify_ids = torch.cat([pending[:, None], drafts[:, : n - 1]], dim=1)
         if k_slots == 0:
             target_logits = step.forward(verify_ids, causal_block(n, dev))
@@ -370,12 +387,14 @@ class RecGuide(LinearSS):
         out_tok = emitted[rows, accepted]                           # the correction or the bonus
 
         # Which outcome each candidate covers (counterfactually, laid out or not): a correction
-        # at index i iff the first rejection is d(i+1) and the verifier emitted its alternative;
-        # the continuation iff every draft was accepted and the bonus was guessed.
+        # at index i iff the first rejection is d(i+1) and the verifier emitted its alternative
+        # (any token, when seedless); the continuation iff every draft was accepted and the bonus
+        # was guessed.
         full = accepted >= blocks - 1
         cont_ok = full & (out_tok == bonus_guess) if step.convention.shift else full
-        corr_ok = (accepted[:, None] == slot_idx) & ~full[:, None] \
-            & (out_tok[:, None] == alt.gather(1, slot_idx))
+        corr_ok = (accepted[:, None] == slot_idx) & ~full[:, None]
+        if corr_seeded:
+            corr_ok = corr_ok & (out_tok[:, None] == alt.gather(1, slot_idx))
         covers = torch.where(slot_cont, cont_ok[:, None], corr_ok) & wanted      # [S, 3]
 
         new = {"valid": torch.zeros_like(pending), "drafts": drafts, "prob": prob, "conf": conf,
@@ -424,7 +443,8 @@ class RecGuide(LinearSS):
         reference: risky = 1 − margin > threshold; by c: 0 -> [cont], 1 -> [corr1, cont],
         2 -> [corr1, corr2, cont], >= 3 -> [corr1, corr2] (earliest risky first).
         likelihood: the 3 candidates most likely to be hit, by the drafter's own probabilities:
-        a correction of d_p is hit with P ≈ Π_{i<p} q(d_i) · q(alt_p), the continuation with
+        a correction of d_p is hit with P ≈ Π_{i<p} q(d_i) · q(alt_p) (seedless: · (1 − q(d_p))),
+        the continuation with
         Π_{i<b} q(d_i) · q(bonus guess)."""
         S, n = margin.shape
         dev = margin.device
@@ -438,7 +458,8 @@ class RecGuide(LinearSS):
         if self.policy == "likelihood":
             q = torch.where(judged, prob, torch.ones_like(prob))
             before = torch.cumprod(torch.cat([torch.ones_like(q[:, :1]), q[:, :-1]], 1), 1)
-            corr_score = torch.where(judged, before * alt_prob, torch.full_like(prob, -1.0))
+            hit_given_reject = (1 - prob) if self.seedless_corrections else alt_prob
+            corr_score = torch.where(judged, before * hit_given_reject, torch.full_like(prob, -1.0))
             if self.max_corrections == 0:
                 corr_score = torch.full_like(corr_score, -1.0)
             all_acc = before.gather(1, (blocks - 1)[:, None])               # every draft accepted

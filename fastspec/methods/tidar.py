@@ -36,6 +36,15 @@ d1' is no longer exact); `report()` counts how often the selected sub-block had 
 With the shipped SmolLM2 adapter (greedy, GSM8K, B = 4) a right seed was followed by 3.1 committed
 tokens, a wrong one by 1.06: τ follows the seed-hit share (18%, mostly missed corrections).
 
+Seedless pre-drafts (`tidar[seed=mask]`; `seed=auto`, the default, takes them when the adapter
+was trained for them, `train-drafter --seedless`): instead of a guessed correction, sub-block
+j < B-1 is `[M×B]` at L+j+1 (adapter on, bidirectional), drafting the tokens AFTER the correction
+without knowing it, as TiDAR's own pre-drafts do. Shifted, logit i predicts L+j+2+i, so the drafts
+read off the sub-block as they would from a seeded one; unshifted, logit 0 is an in-place guess of
+the correction (the seed-hit count reads it) and the drafts start at logit 1. The all-accepted
+sub-block keeps the rule above (shifted: seeded by the bonus guess). A seed guess is no longer
+needed for the drafts to hold up, only a drafter that learned to draft past an unknown token.
+
 Cold start: a request's first round has no pre-draft and runs LinearSS's draft forward first
 (two forwards, variant "cold"); every later round is one forward (variant "warm").
 
@@ -68,21 +77,31 @@ class TiDAR(LinearSS):
     # One block size for every request, one step per variant (cold rows and warm rows).
     bucketing = False
 
-    def __init__(self, block: int = 4):
-        """block: B, the verify width; a round's forward has B + B² tokens per row. Default 4:
+    def __init__(self, block: int = 4, seed: str = "auto"):
+        """seed: how the correction sub-blocks start: "guess" (the draft's alternative token),
+        "mask" (seedless, TiDAR's layout) or "auto" (mask when the adapter's convention says it
+        was trained seedless, else guess).
+        block: B, the verify width; a round's forward has B + B² tokens per row. Default 4:
         on this CPU (SmolLM2-135M, fp32, eager, 1 thread, 2 GSM8K prompts × 64 tokens, greedy)
         a B = 8 round (72 tokens) took 402 ms against 180 ms at B = 4 (20 tokens), for 1.54
         against 1.44 tokens per forward."""
         if not isinstance(block, int) or not MIN_BLOCK <= block <= MAX_BLOCK:
             raise FastspecError(f"--block for tidar must be an integer in {MIN_BLOCK}..{MAX_BLOCK}, "
                                 f"got {block!r}")
+        if seed not in ("auto", "guess", "mask"):
+            raise FastspecError(f"tidar: seed must be auto, guess or mask, got {seed!r}")
         Method.__init__(self, block)
+        self.seed = seed
         self.eos_ids: tuple[int, ...] = ()
         self.begin(None)
 
     # --- host side --------------------------------------------------------------------------
     def key_name(self) -> str:
-        return f"tidar(B={self.block})"
+        return f"tidar(B={self.block},seed={self.seed})"
+
+    def seedless(self, step) -> bool:
+        """Correction sub-blocks are seedless (decided at trace time from the adapter)."""
+        return self.seed == "mask" or (self.seed == "auto" and step.convention.seedless)
 
     def begin(self, run) -> None:
         if run is not None:
@@ -143,15 +162,16 @@ class TiDAR(LinearSS):
                       bonus_guess: torch.Tensor):
         """(tokens [S, N], mask [S, N, N], adapter flags [S, N], RoPE positions relative to the
         committed length [S, N]), N = B + B·B: the verify row, then sub-block j = 0 .. B-1 at
-        positions L+j+1 .., seeded by alt[:, j] (j < B-1) or the bonus guess (j = B-1; an
-        unshifted drafter's is `[M×B]`), seeing the verify columns s d1 .. dj."""
+        positions L+j+1 .., seeded by alt[:, j] (j < B-1; `[M×B]` when seedless) or the bonus
+        guess (j = B-1; an unshifted drafter's is `[M×B]`), seeing the verify columns s d1 .. dj."""
         S, n = verify_ids.shape
         dev = verify_ids.device
-        shifted = step.convention.shift
+        shifted, seedless = step.convention.shift, self.seedless(step)
         mask_id = torch.full_like(bonus_guess, step.mask_token_id)
         anchors = [torch.full((S,), j + 1, dtype=torch.long, device=dev) for j in range(n)]
-        firsts = [alt[:, j] for j in range(n - 1)] + [bonus_guess if shifted else mask_id]
-        seeded = [torch.ones(S, dtype=torch.bool, device=dev)] * (n - 1) \
+        firsts = [mask_id if seedless else alt[:, j] for j in range(n - 1)] \
+            + [bonus_guess if shifted else mask_id]
+        seeded = [torch.full((S,), not seedless, dtype=torch.bool, device=dev)] * (n - 1) \
             + [torch.full((S,), shifted, dtype=torch.bool, device=dev)]
         return overlap_layout(step, verify_ids, None, anchors, firsts, seeded)
 
@@ -179,11 +199,17 @@ class TiDAR(LinearSS):
         cols = n + accepted[:, None] * n + torch.arange(n, device=dev)[None, :]
         chosen = logits_all.gather(1, cols[..., None].expand(S, n, logits_all.shape[-1]))
         chosen_al = aligned_draft_logits(conv, chosen, step.mask_token_id)
-        # Its seed guess: alt_j after a rejection at j+1; after a full run the bonus guess (an
-        # unshifted drafter's in-place fill of its first mask).
+        # Its seed guess: alt_j after a rejection at j+1; after a full run the bonus guess. An
+        # unshifted drafter's `[M×B]` guesses in place (its first logit); a shifted seedless
+        # sub-block has no guess (-1: never a hit).
         full = accepted >= n - 1
-        cont_guess = bonus_guess if conv.shift else aligned_bonus_guess(chosen, step.mask_token_id)
-        guess = torch.where(full, cont_guess, alt.gather(1, accepted[:, None])[:, 0])
+        in_place = aligned_bonus_guess(chosen, step.mask_token_id)
+        cont_guess = bonus_guess if conv.shift else in_place
+        if not self.seedless(step):
+            corr_guess = alt.gather(1, accepted[:, None])[:, 0]
+        else:
+            corr_guess = in_place if not conv.shift else torch.full_like(in_place, -1)
+        guess = torch.where(full, cont_guess, corr_guess)
         seed_hit = guess == out_tok
 
         if not s.any_sampled:

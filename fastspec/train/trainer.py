@@ -18,7 +18,13 @@ learn. One step, for R sequences (prompt + the base model's own greedy continuat
    x_{s+i+1} under a shifted convention (fastspec: the seed's output is the base model's own next
    token), x_{s+i} under an unshifted one (nld); the seed's own output is never trained.
 
-Loss on block positions i >= 1 whose target is not visible in the input: (1 - kl_weight) *
+With probability `seedless_prob` a block is TiDAR's seedless pre-draft instead: its seed slot is
+a MASK too (adapter on, the whole block bidirectional), as when a verify forward pre-drafts the
+block after a correction the verifier has not emitted yet; its position 0 is then trained too
+(shifted: x_{s+1} without knowing x_s; unshifted: x_s itself). Such an adapter records
+`seedless: true` in its convention and `tidar` lays out its pre-drafts that way.
+
+Loss on block positions i >= 1 (and 0 in a seedless block) whose target is not visible in the input: (1 - kl_weight) *
 CE(self-distilled token) + kl_weight * KL(teacher || drafter), weighted by pos_decay ** (i - 1)
 (a draft at i only counts if all before it are accepted, so early positions matter most).
 
@@ -34,7 +40,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -43,8 +49,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from fastspec.config import FastspecError
-from fastspec.convention import (CONVENTIONS, FASTSPEC, DraftConvention, draft_adapter_flags,
-                                 draft_block_mask)
+from fastspec.convention import (CONVENTIONS, FASTSPEC, DraftConvention, convention_from_dict,
+                                 draft_adapter_flags, draft_block_mask, seedless_block_mask)
 from fastspec.draft import (ATTN_TARGETS, MLP_TARGETS, AdapterConfig, adapter_parameters,
                             adapter_state, attach_adapter, read_adapter, save_adapter,
                             set_adapter_state)
@@ -92,6 +98,7 @@ class TrainConfig:
     pos_decay: float = 0.8          # weight of block position i is pos_decay ** (i - 1)
     partial_prob: float = 0.2       # chance a block is partially masked instead of all-MASK
     max_keep: float = 0.5           # partially masked blocks keep each token with p ~ U(0, max_keep)
+    seedless_prob: float = 0.0      # chance a block is TiDAR's seedless pre-draft (seed slot masked)
     seed: int = 0
     log_every: int = 5
     ckpt_every_s: float = 300.0
@@ -116,7 +123,8 @@ class TrainConfig:
                   (self.minutes > 0, "--minutes must be > 0"),
                   (0 <= self.kl_weight <= 1, "--kl-weight must be in [0, 1]"),
                   (0 < self.pos_decay <= 1, "--pos-decay must be in (0, 1]"),
-                  (0 <= self.partial_prob <= 1, "--partial-prob must be in [0, 1]")]
+                  (0 <= self.partial_prob <= 1, "--partial-prob must be in [0, 1]"),
+                  (0 <= self.seedless_prob <= 1, "--seedless must be in [0, 1]")]
         for ok, msg in checks:
             if not ok:
                 raise FastspecError(msg)
@@ -128,7 +136,7 @@ class TrainConfig:
 
     @property
     def draft_convention(self) -> DraftConvention:
-        return CONVENTIONS[self.convention]
+        return replace(CONVENTIONS[self.convention], seedless=self.seedless_prob > 0)
 
     def adapter_config(self) -> AdapterConfig:
         return AdapterConfig(rank=self.rank, alpha=self.alpha, targets=self.targets,
@@ -149,7 +157,8 @@ class Batch:
     weights: torch.Tensor          # [R, N] loss weight (0 = not counted; always 0 at seeds)
     starts: torch.Tensor           # [R, K]
     sizes: torch.Tensor            # [R, K] block sizes
-    all_masked: torch.Tensor       # [R, K] block is all-MASK (the inference layout)
+    all_masked: torch.Tensor       # [R, K] block is all-MASK after a true seed (the chain layout)
+    seedless: torch.Tensor         # [R, K] block is seedless: its seed slot is a MASK too (TiDAR)
     conv: DraftConvention = field(default=FASTSPEC)
 
     @property
@@ -159,6 +168,11 @@ class Batch:
     @property
     def block(self) -> int:
         return int(self.sizes.max())
+
+    @property
+    def tok_seedless(self) -> torch.Tensor:
+        """[R, N] the packed token belongs to a seedless block."""
+        return torch.gather(self.seedless, 1, self.tok_block.clamp(min=0)) & (self.tok_block >= 0)
 
     @property
     def offsets(self) -> torch.Tensor:
@@ -172,12 +186,15 @@ class Batch:
 
 def make_batch(examples: Sequence[Example], starts: torch.Tensor, keep: torch.Tensor, block: int,
                mask_id: int, pos_decay: float = 1.0, max_position: int | None = None,
-               sizes: torch.Tensor | None = None, conv: DraftConvention = FASTSPEC) -> Batch:
+               sizes: torch.Tensor | None = None, conv: DraftConvention = FASTSPEC,
+               seedless: torch.Tensor | None = None) -> Batch:
     """Deterministic batch: `starts [R, K]` block starts (>= prompt length, <= len - 2), `keep
     [R, K, block]` bool (True keeps the true token at that block position; position 0, the seed,
-    is always the true token), `sizes [R, K]` block sizes <= block (default: all `block`)."""
+    is always the true token), `sizes [R, K]` block sizes <= block (default: all `block`),
+    `seedless [R, K]` bool: the block is seedless (all MASK, seed slot included; keep ignored)."""
     R, K = starts.shape
     sizes = torch.full_like(starts, block) if sizes is None else sizes
+    seedless = torch.zeros(R, K, dtype=torch.bool) if seedless is None else seedless.bool()
     B, shift = block, int(conv.shift)
     lens = torch.tensor([len(e.ids) for e in examples])
     ids = torch.full((R, max(int(lens.max()), int(starts.max()) + B + 1)), -1, dtype=torch.long)
@@ -189,13 +206,14 @@ def make_batch(examples: Sequence[Example], starts: torch.Tensor, keep: torch.Te
     tgt = torch.gather(ids, 1, (pos + shift).view(R, -1)).view(R, K, B)
     keep = keep.clone()
     keep[..., 0] = True
+    keep &= ~seedless[..., None]
     inp = torch.where(keep & (true_tok >= 0), true_tok, torch.full_like(true_tok, mask_id))
     valid = i < sizes[..., None]                                    # [R, K, B] inside the block
     # A target counts when it exists and the drafter cannot read it off the input: its own block
     # position (i + shift) holds a MASK, or lies past the block's end.
     hidden = torch.ones_like(keep)
     hidden[..., : B - shift] = (inp[..., shift:] == mask_id) | ~valid[..., shift:]
-    counted = (tgt >= 0) & hidden & (i > 0) & valid
+    counted = (tgt >= 0) & hidden & ((i > 0) | seedless[..., None]) & valid
     targets = torch.where(counted, tgt, torch.full_like(tgt, IGNORE))
     w = (pos_decay ** (i - 1).clamp(min=0).float()) * counted.float()
     # The clean pass needs columns < s (prefix) and rows up to s + b - 1 (teacher logits).
@@ -203,7 +221,7 @@ def make_batch(examples: Sequence[Example], starts: torch.Tensor, keep: torch.Te
     clean = ids[:, :clean_len].clamp(min=0)
     if max_position is not None:
         pos = pos.clamp(max=max_position - 1)
-    all_masked = ((inp == mask_id) | ~valid)[..., 1:].all(-1)
+    all_masked = ((inp == mask_id) | ~valid)[..., 1:].all(-1) & ~seedless
     # Pack: each row's in-block tokens in order, then padding up to the widest row.
     N = int(sizes.sum(1).max())
     order = torch.sort((~valid).view(R, -1).int(), dim=1, stable=True).indices[:, :N]
@@ -216,7 +234,7 @@ def make_batch(examples: Sequence[Example], starts: torch.Tensor, keep: torch.Te
     kb = torch.arange(K)[:, None].expand(K, B)
     return Batch(clean, pack(inp, mask_id), pack(pos, 0), pack(kb.expand(R, K, B), -1),
                  pack(i.expand(R, K, B), 0), pack(targets, IGNORE), pack(w, 0.0), starts, sizes,
-                 all_masked, conv)
+                 all_masked, seedless, conv)
 
 
 def training_mask(batch: Batch) -> torch.Tensor:
@@ -234,7 +252,9 @@ def training_mask(batch: Batch) -> torch.Tensor:
     j = blk.clamp(min=0)
     s = torch.gather(starts, 1, j)
     clean = (torch.arange(batch.clean_len, device=dev)[None, None, :] < s[..., None]) & real[..., None]
-    pattern = draft_block_mask(batch.conv, batch.sizes.reshape(-1), B).view(R, K, B, B)
+    pattern = torch.where(batch.seedless.reshape(-1)[:, None, None],
+                          seedless_block_mask(batch.sizes.reshape(-1), B),
+                          draft_block_mask(batch.conv, batch.sizes.reshape(-1), B)).view(R, K, B, B)
     rows = pattern[torch.arange(R, device=dev)[:, None], j, pos]               # [R, N(q), B]
     inner = torch.gather(rows, 2, pos[:, None, :].expand(R, N, N))              # [R, N, N(k)]
     inner = inner & (blk[:, :, None] == blk[:, None, :]) & real[:, :, None]
@@ -243,9 +263,10 @@ def training_mask(batch: Batch) -> torch.Tensor:
 
 
 def training_adapter_flags(batch: Batch) -> torch.Tensor:
-    """[R, N] adapter on/off per packed token, from the convention's draft flags."""
+    """[R, N] adapter on/off per packed token, from the convention's draft flags (on everywhere
+    in a seedless block)."""
     flags = draft_adapter_flags(batch.conv, 1, batch.block, batch.tok_pos.device)[0]
-    return flags[batch.tok_pos] & (batch.tok_block >= 0)
+    return (flags[batch.tok_pos] | batch.tok_seedless) & (batch.tok_block >= 0)
 
 
 class _LayerCache(list):
@@ -302,8 +323,9 @@ def draft_loss(model, batch: Batch, kl_weight: float = 0.5) -> tuple[torch.Tenso
     K, B = batch.starts.shape[1], batch.block
     shift = int(batch.conv.shift)
     dev = batch.block_ids.device
-    # Logits only where a loss can be: block positions >= 1 (each row's first M such tokens).
-    cand = (batch.tok_pos > 0) & (batch.tok_block >= 0)
+    # Logits only where a loss can be: block positions >= 1, and a seedless block's 0 (each
+    # row's first M such tokens).
+    cand = ((batch.tok_pos > 0) | batch.tok_seedless) & (batch.tok_block >= 0)
     M = int(cand.sum(1).max())
     index = torch.sort((~cand).int(), dim=1, stable=True).indices[:, :M]
     teacher_index = None
@@ -340,6 +362,12 @@ def draft_loss(model, batch: Batch, kl_weight: float = 0.5) -> tuple[torch.Tenso
         run = grid[..., 1:].long().cumprod(-1).sum(-1).float()
         tau = torch.minimum(run + 1 + shift, batch.sizes.float())
         am = batch.all_masked
+        # A seedless pre-draft verified after the true seed: its first draft is position 0's
+        # output when shifted (1's when not, 0 guessing the seed itself); the verifier's seed
+        # plus the leading run of right drafts are committed.
+        sl = batch.seedless
+        run_sl = grid[..., 1 - shift:].long().cumprod(-1).sum(-1).float()
+        tau_sl = torch.minimum(run_sl + 1, batch.sizes.float())
         metrics = {
             "loss": loss.detach(),
             "ce": (ce * counted).sum() / n,
@@ -350,6 +378,8 @@ def draft_loss(model, batch: Batch, kl_weight: float = 0.5) -> tuple[torch.Tenso
             "tau": (tau * am).sum() / am.sum().clamp(min=1),
             "target_tokens": counted.sum(),
         }
+        if sl.any():
+            metrics["tau_seedless"] = (tau_sl * sl).sum() / sl.sum()
         for b in sorted(set(batch.sizes.view(-1).tolist())):     # tau per block size
             sel = am & (batch.sizes == b)
             if sel.any():
@@ -595,8 +625,11 @@ class DraftTrainer(TrainLoop):
         partial = torch.rand(R, K, 1, generator=g) < cfg.partial_prob
         rate = torch.rand(R, K, 1, generator=g) * cfg.max_keep
         keep = partial & (torch.rand(R, K, B, generator=g) < rate)
+        seedless = None
+        if cfg.seedless_prob > 0:   # drawn only then, so runs without it keep their batches
+            seedless = torch.rand(R, K, generator=g) < cfg.seedless_prob
         return make_batch(exs, starts, keep, B, self.mask_id, cfg.pos_decay,
-                          self.max_position, sizes, self.conv).to(self.device)
+                          self.max_position, sizes, self.conv, seedless).to(self.device)
 
     def loss(self, batch: Batch):
         return draft_loss(self.model, batch, self.cfg.kl_weight)
@@ -652,6 +685,8 @@ class DraftTrainer(TrainLoop):
             return json.loads(json.dumps(x))          # tuples -> lists, as stored
         saved = scalars.get("adapter_config", {})
         mine = asdict(self.adapter_cfg)
+        if isinstance(saved.get("convention"), dict):    # fields added since default as before
+            saved = {**saved, "convention": convention_from_dict(saved["convention"]).to_dict()}
         for k in ("rank", "alpha", "targets", "block_size", "mask_token_id", "convention"):
             if norm(saved.get(k, mine[k] if k != "convention" else None)) != norm(mine[k]):
                 raise FastspecError(f"checkpoint {f} was trained with {k}={saved.get(k)} (now "
