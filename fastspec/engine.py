@@ -560,11 +560,16 @@ class Engine:
         compiled_before = {k: v["compiles"] + v.get("captures", 0)
                            for k, v in self.runner.stats().items()}
         compile_s_before = self.runner.total_compile_s()
+
+        def clock() -> float:
+            """Request timestamps leave out steps compiled mid-run (warm-up, not decoding), as
+            the run's own decode time does below."""
+            return time.perf_counter() - (self.runner.total_compile_s() - compile_s_before)
         stats = self.stats = RunStats(requests=len(seqs))
         sched = Scheduler(seqs, C)
         self.pending = torch.zeros(C + 1, dtype=torch.long, device=self.device)   # seeds
 
-        def commit(seq: Sequence, tokens: list[int], n_drafted: int, now: float) -> int:
+        def commit(seq: Sequence, tokens: list[int], n_drafted: int, tick: float) -> int:
             """Append what the request keeps (EOS and the token budget cut a round short);
             returns how many tokens it kept."""
             for j, token in enumerate(tokens):
@@ -579,14 +584,14 @@ class Engine:
             if on_commit is not None:
                 on_commit(seq.index, tokens, min(n_drafted, len(tokens)))
             if seq.finished:
-                seq.t_done = now
+                seq.t_done = tick
                 sched.retire(seq)
                 self.clear_slot(seq.slot)
             return len(tokens)
 
         t_start = time.perf_counter()
         for s in seqs:
-            s.t_submit = t_start
+            s.t_submit = clock()
         while sched.busy:
             admitted = sched.admit()
             if admitted:
@@ -602,10 +607,11 @@ class Engine:
                 stats.forwards += 1
                 now = time.perf_counter()
                 stats.prefill_s += now - t0
+                tick = clock()
                 for s, tok in zip(admitted, first.tolist()):
-                    s.t_first = now
+                    s.t_first = tick
                     s.forwards += 1
-                    commit(s, [tok], 0, now)
+                    commit(s, [tok], 0, tick)
             if not sched.running:
                 continue
             t0 = time.perf_counter()
@@ -632,6 +638,7 @@ class Engine:
             stats.rounds += 1
             now = time.perf_counter()
             stats.decode_s += now - t0
+            tick = clock()
             i = 0
             for plan, members, out in results:
                 f = meth.forwards_for(plan.variant)
@@ -641,7 +648,7 @@ class Engine:
                     n_emitted, n_drafted, seq.host = r[w], r[w + 1], r[w + 2:]
                     seq.rounds += 1
                     seq.forwards += f
-                    kept = commit(seq, r[:n_emitted], n_drafted, now)
+                    kept = commit(seq, r[:n_emitted], n_drafted, tick)
                     seq.accept_lengths.append(kept)
         stats.wall_s = time.perf_counter() - t_start
         # Steps compiled mid-run (a new bucket as requests drain) are warm-up, not decoding.

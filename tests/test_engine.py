@@ -176,3 +176,26 @@ def test_round_attends_over_the_live_prefix_and_compiles_once_for_every_context(
         eng.generate(prompts, params, method=meth, concurrency=2)
         assert eng.cache.max_len == 256 and max(seen) == 255
         assert eng.last_stats.lazy_compiles == 0 and eng.last_stats.recompiles == 0
+
+
+def test_a_step_compiled_mid_run_counts_as_warm_up_not_as_request_time(tiny, monkeypatch):
+    """A step built on first use (a new bucket as requests drain) is warm-up: it leaves the
+    run's decode time AND every request's latency, so per-request tok/s stays a decode rate."""
+    import time
+    engine = Engine(tiny, backend="eager")
+    compiled = [0.0]
+    monkeypatch.setattr(engine.runner, "total_compile_s", lambda: compiled[0])
+    run_group, calls = engine.run_group, [0]
+
+    def slow_first_use(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:                   # "compiles" for 0.4 s, as a lazy build would
+            time.sleep(0.4)
+            compiled[0] += 0.4
+        return run_group(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "run_group", slow_first_use)
+    out = engine.generate(random_prompts(3, seed=4), SamplingParams(max_new_tokens=8, ignore_eos=True),
+                          concurrency=3)
+    assert all(0 < c.latency_s < 0.3 for c in out), [c.latency_s for c in out]
+    assert engine.last_stats.decode_s < 0.3 and engine.last_stats.warmup_s >= 0.4
