@@ -12,8 +12,8 @@ with the same command (SIGTERM saves a checkpoint too); the loss / acceptance lo
 `<out>/train_log.jsonl`, whose first line per (re)start records the command, data and convention.
 One adapter serves every block size: `--blocks` is the mixture of block sizes drawn per block.
 `--seedless P` also trains a share P of the blocks in TiDAR's seedless pre-draft layout (the seed
-slot masked too: drafting past a correction not emitted yet); the adapter's convention then says
-`seedless`, and `--method tidar` lays out its pre-drafts that way.
+slot masked too: drafting past a correction not emitted yet), the layout `--method tidar` and
+`recguide[seed=mask]` pre-draft with; the adapter's convention then records `seedless`.
 
 `--kind dflash` trains a DFlash drafter instead (fastspec/train/dflash.py): `--draft-layers`
 decoder layers reading the target layers `--target-layers`, blocks of `--draft-block`, saved in the
@@ -125,7 +125,7 @@ DEFAULT_BLOCKS = "4:0.2,8:0.3,16:0.25,32:0.25"
               help="Chance that a block is partially masked instead of all-MASK.")
 @click.option("--seedless", type=float, default=0.0, show_default=True,
               help="Chance that a block is TiDAR's seedless pre-draft (its seed slot masked "
-                   "too); > 0 marks the adapter so `tidar` pre-drafts that way.")
+                   "too), the layout tidar pre-drafts with.")
 @click.option("--init-adapter", type=click.Path(file_okay=False), default=None,
               help="Start from this saved adapter (same rank; its targets among this run's, new "
                    "ones start as the identity) instead of a fresh one; a "

@@ -45,7 +45,8 @@ class DraftConvention:
     lora_dtype: str = "model"        # "fp32": LoRA deltas computed in fp32 under a bf16 model
     # Also trained on TiDAR's seedless pre-draft: a block whose first token is a MASK standing
     # for a seed the verifier has not emitted yet (adapter on, whole block bidirectional), so it
-    # drafts the tokens after an unknown correction (`train-drafter --seedless`).
+    # drafts the tokens after an unknown correction (`train-drafter --seedless`; a record of
+    # the training: `tidar` lays out seedless pre-drafts with any adapter).
     seedless: bool = False
 
     def __post_init__(self):

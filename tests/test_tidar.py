@@ -2,7 +2,6 @@
 block for every accepted prefix; the sub-block of the accepted length becomes the next draft,
 right seed or not, and the output is still exactly AR's."""
 import math
-from dataclasses import replace
 
 import pytest
 import torch
@@ -32,7 +31,7 @@ SUB_BLOCKS = ([2, 4, 8], [0, 1, 2], [7, 7, 3])
 
 
 def run_round(verify_targets, variant="cold", carry=None):
-    m = TiDAR(block=3)
+    m = TiDAR(block=3, seed="guess")
     m.eos_ids = (EOS,)
     subs = [torch.stack([logits_from({t: 0.7}) for t in toks])[None] for toks in SUB_BLOCKS]
     forward = torch.cat([verify_targets, *subs], 1)
@@ -69,7 +68,7 @@ def test_unshifted_layout_seeds_the_corrections_and_leaves_the_bonus_a_mask():
     """NLD: every sub-block is bidirectional with the adapter on everywhere; the all-accepted
     sub-block has no bonus guess to seed it: [M M M]."""
     step = FakeStep([], 3, convention=NLD)
-    ids, mask, adapter, rel = TiDAR(block=3).layout_tokens(
+    ids, mask, adapter, rel = TiDAR(block=3, seed="guess").layout_tokens(
         step, torch.tensor([[SEED, 3, 5]]), torch.tensor([[8, 6, 0]]), torch.tensor([1]))
     assert ids.tolist() == [[SEED, 3, 5,  8, M, M,  6, M, M,  M, M, M]]
     assert rel.tolist() == [[0, 1, 2,  1, 2, 3,  2, 3, 4,  3, 4, 5]]
@@ -113,11 +112,7 @@ def test_seedless_layout_masks_the_correction_seeds():
         [1, 1, 1,  0, 0, 0,  0, 0, 0,  1, 1, 1],
         [1, 1, 1,  0, 0, 0,  0, 0, 0,  1, 1, 1]])
     assert torch.equal(mask[0].int(), want)
-    # auto follows the adapter's convention.
-    assert not TiDAR(block=3).seedless(step)
-    assert TiDAR(block=3).seedless(FakeStep([], 3, convention=replace(FASTSPEC, seedless=True)))
-    assert not TiDAR(block=3, seed="guess").seedless(
-        FakeStep([], 3, convention=replace(FASTSPEC, seedless=True)))
+    assert TiDAR(block=3).seedless and not TiDAR(block=3, seed="guess").seedless   # the default
 
 
 def test_a_seedless_sub_block_is_selected_like_a_seeded_one_and_never_counts_a_seed_hit():
@@ -175,7 +170,7 @@ def test_every_sub_block_drafts_what_the_next_rounds_draft_forward_would(drafter
         slot = torch.tensor([0])
         verify = torch.tensor([[20, 21, 22, 23]])
         alt, bonus = torch.tensor([[30, 31, 32, 33]]), torch.tensor([40])
-        m = TiDAR(block=n)
+        m = TiDAR(block=n, seed="guess")
         for j in range(n):
             # The round's forward (again each time: the fresh draft below overwrites its columns).
             c.lengths[0] = 5
@@ -230,14 +225,14 @@ def test_a_seedless_sub_block_is_the_training_layouts_seedless_block(drafter, co
 
 
 @pytest.mark.parametrize("convention", [FASTSPEC, NLD], ids=["fastspec", "nld"])
-def test_greedy_seedless_tidar_equals_ar(drafter, convention):
+def test_greedy_tidar_with_guessed_seeds_equals_ar(drafter, convention):
     drafter.model.draft_convention = convention
     try:
         engine = Engine(drafter, backend="eager")
         ps = prompts(5, seed=10)
         params = SamplingParams(max_new_tokens=24, ignore_eos=True)
         ar = engine.generate(ps, params, method="ar", concurrency=3)
-        m = TiDAR(block=4, seed="mask")
+        m = TiDAR(block=4, seed="guess")
         out = engine.generate(ps, params, method=m, concurrency=3)
         assert [c.token_ids for c in out] == [c.token_ids for c in ar]
         assert m.report()["warm_rounds"] > 0
@@ -280,7 +275,7 @@ def test_on_a_predictable_model_seeds_are_hit_and_every_later_round_is_one_forwa
     ps = [[5, 6, 7, 7, 7], [9, 9, 9], [3, 4, 3, 4], [8, 8, 5]]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     ar = engine.generate(ps, params, method="ar", concurrency=2)
-    m = TiDAR(block=4)
+    m = TiDAR(block=4, seed="guess")
     out = engine.generate(ps, params, method=m, concurrency=2)
     assert [c.token_ids for c in out] == [c.token_ids for c in ar]
     # Prefill + a two-forward cold round + one forward per later round.
@@ -324,7 +319,7 @@ def test_compiled_tidar_rounds_equal_ar_without_recompiles(drafter):
     out = engine.generate(ps, params, method=TiDAR(block=3), concurrency=3)
     assert [c.token_ids for c in out] == [c.token_ids for c in ar]
     assert engine.last_stats.recompiles == 0
-    layouts = {k.layout for k in engine.runner.stats() if k.method == "tidar(B=3,seed=auto)"}
+    layouts = {k.layout for k in engine.runner.stats() if k.method == "tidar(B=3,seed=mask)"}
     assert layouts == {"tidar:cold", "tidar:warm"}
 
 
@@ -355,10 +350,12 @@ def sampled_pair_tv(engine, prompt, exact, method):
     return tv, trials, misses
 
 
-def test_sampled_tidar_preserves_the_target_distribution(pair_law):
+@pytest.mark.parametrize("seed", ["guess", "mask"])
+def test_sampled_tidar_preserves_the_target_distribution(pair_law, seed):
     """Tokens 4 and 5 are (mostly) verified by warm rounds from carried sub-blocks, seeded right
-    or wrong: TiDAR's empirical law approaches AR's exact law, the distance shrinking."""
-    tv, trials, misses = sampled_pair_tv(*pair_law, TiDAR(block=3))
+    or wrong (or seedless): TiDAR's empirical law approaches AR's exact law, the distance
+    shrinking."""
+    tv, trials, misses = sampled_pair_tv(*pair_law, TiDAR(block=3, seed=seed))
     assert trials > 1500 and misses > 300     # carried drafts were verified, wrong seeds among them
     assert tv[1] < tv[0] and tv[1] < 0.045, tv
 

@@ -522,13 +522,10 @@ def test_train_drafter_command_end_to_end(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("seedless", ["0", "0.5"])
 def test_train_drafter_nld_convention_writes_its_convention(tmp_path, monkeypatch, seedless):
-    """The adapter records the convention it was trained for, seedless (TiDAR) blocks included;
-    `tidar` (seed=auto) then lays out seedless pre-drafts."""
+    """The adapter records the convention it was trained for, seedless (TiDAR) blocks included."""
     from dataclasses import replace
 
     from click.testing import CliRunner
-
-    from fastspec.methods.tidar import TiDAR
 
     from fastspec.cli.train import train_drafter
     monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path / "cache"))
@@ -547,4 +544,4 @@ def test_train_drafter_nld_convention_writes_its_convention(tmp_path, monkeypatc
     m = tiny_loaded().model
     load_adapter(m, str(out))
     assert m.draft_convention == want
-    assert TiDAR().seedless(type("S", (), {"convention": m.draft_convention})()) == want.seedless
+

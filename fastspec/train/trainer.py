@@ -22,7 +22,7 @@ With probability `seedless_prob` a block is TiDAR's seedless pre-draft instead: 
 a MASK too (adapter on, the whole block bidirectional), as when a verify forward pre-drafts the
 block after a correction the verifier has not emitted yet; its position 0 is then trained too
 (shifted: x_{s+1} without knowing x_s; unshifted: x_s itself). Such an adapter records
-`seedless: true` in its convention and `tidar` lays out its pre-drafts that way.
+`seedless: true` in its convention.
 
 Loss on block positions i >= 1 (and 0 in a seedless block) whose target is not visible in the input: (1 - kl_weight) *
 CE(self-distilled token) + kl_weight * KL(teacher || drafter), weighted by pos_decay ** (i - 1)
