@@ -83,39 +83,34 @@ def model_convention(model) -> DraftConvention:
     return getattr(model, "draft_convention", None) or FASTSPEC
 
 
-def draft_block_mask(conv: DraftConvention, blocks: torch.Tensor, n: int) -> torch.Tensor:
+def draft_block_mask(conv: DraftConvention, blocks: torch.Tensor, n: int,
+                     seedless: bool = False) -> torch.Tensor:
     """[S, n, n] attention among a draft block's n tokens; row s uses its first blocks[s].
 
-    fastspec, blocks = [3], n = 4:     nld, same:
+    fastspec, blocks = [3], n = 4:     nld (or any seedless block), same:
           s M M .                            s M M .
        s  1 0 0 0                         s  1 1 1 0
        M  1 1 1 0                         M  1 1 1 0
        M  1 1 1 0                         M  1 1 1 0
        .  0 0 0 1  (padding: itself only, so no all-masked softmax)
+
+    seedless: the seed slot is a MASK too, so it sees the whole block whatever the convention.
     """
     i = torch.arange(n, device=blocks.device)
     valid = i[None, :] < blocks[:, None]                               # [S, n]
     sees_block = valid[:, :, None] & valid[:, None, :]
-    if conv.seed_attention == "causal":
+    if conv.seed_attention == "causal" and not seedless:
         sees_block = sees_block & (i[None, :, None] > 0)
     eye = torch.eye(n, dtype=torch.bool, device=blocks.device)
     return sees_block | eye[None]
 
 
-def seedless_block_mask(blocks: torch.Tensor, n: int) -> torch.Tensor:
-    """[S, n, n] attention inside a seedless block: every valid token sees the whole block (the
-    first is a MASK too); padding sees only itself."""
-    i = torch.arange(n, device=blocks.device)
-    valid = i[None, :] < blocks[:, None]
-    eye = torch.eye(n, dtype=torch.bool, device=blocks.device)
-    return (valid[:, :, None] & valid[:, None, :]) | eye[None]
-
-
-def draft_adapter_flags(conv: DraftConvention, rows: int, n: int, device=None) -> torch.Tensor:
+def draft_adapter_flags(conv: DraftConvention, rows: int, n: int, device=None,
+                        seedless: bool = False) -> torch.Tensor:
     """[rows, n] adapter flags of a draft block: on for the masks, on at the seed iff the
-    convention says so."""
+    convention says so (always, when seedless: the seed slot is a MASK too)."""
     on = torch.ones(rows, n, dtype=torch.bool, device=device)
-    if not conv.seed_adapter:
+    if not conv.seed_adapter and not seedless:
         on[:, 0] = False
     return on
 

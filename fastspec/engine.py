@@ -589,9 +589,9 @@ class Engine:
                 self.clear_slot(seq.slot)
             return len(tokens)
 
-        t_start = time.perf_counter()
+        t_start, t_submit = time.perf_counter(), clock()
         for s in seqs:
-            s.t_submit = clock()
+            s.t_submit = t_submit
         while sched.busy:
             admitted = sched.admit()
             if admitted:

@@ -10,7 +10,7 @@ from fastspec.engine import Engine
 from fastspec.layout import cache_mask, causal_block
 from fastspec.methods.base import Plan
 from fastspec.graphs.keys import GraphKey
-from fastspec.convention import FASTSPEC, draft_block_mask
+from fastspec.convention import FASTSPEC, draft_adapter_flags, draft_block_mask
 from fastspec.methods.linear import BLOCK_SIZES, LinearSS
 from fastspec.sampling import SamplerState, SamplingParams, filtered_logprobs
 from fastspec.verify import accept_chain
@@ -45,6 +45,11 @@ def test_draft_mask_matches_hand_written_matrix():
          [1, 1, 1, 1]],
     ])
     assert torch.equal(got, want)
+    # Seedless (TiDAR's pre-draft): the seed slot is a MASK too and sees the whole block.
+    seedless = draft_block_mask(FASTSPEC, torch.tensor([3]), 4, seedless=True).int()
+    assert seedless[0].tolist() == [[1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 1, 0], [0, 0, 0, 1]]
+    assert draft_adapter_flags(FASTSPEC, 1, 4, seedless=True).all()
+    assert draft_adapter_flags(FASTSPEC, 1, 4).tolist() == [[False, True, True, True]]
 
 
 @pytest.mark.parametrize("block, concurrency", [(4, 1), (8, 3), (16, 4), (32, 2)])

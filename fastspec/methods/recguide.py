@@ -70,8 +70,9 @@ def overlap_layout(step, verify_ids, blocks, anchors, firsts, seeded):
     conv = step.convention
     full = torch.full((S,), n, dtype=torch.long, device=dev)
     seed_mask = draft_block_mask(conv, full, n)                     # [S, n, n] seeded block
-    all_see = torch.ones(S, n, n, dtype=torch.bool, device=dev)     # continuation: all masks
+    all_see = draft_block_mask(conv, full, n, seedless=True)        # all masks (seedless)
     seed_flags = draft_adapter_flags(conv, S, n, dev)
+    all_flags = draft_adapter_flags(conv, S, n, dev, seedless=True)
     i = torch.arange(n, device=dev)
     ids, rel, adapter = [verify_ids], [i.expand(S, n)], [torch.zeros(S, n, dtype=torch.bool, device=dev)]
     blocks_rows = [torch.cat([causal_block(n, dev).expand(S, n, n),
@@ -81,7 +82,7 @@ def overlap_layout(step, verify_ids, blocks, anchors, firsts, seeded):
         tok[:, 0] = first
         ids.append(tok)
         rel.append(anchor[:, None] + i[None, :])
-        adapter.append(torch.where(is_seeded[:, None], seed_flags, torch.ones_like(seed_flags)))
+        adapter.append(torch.where(is_seeded[:, None], seed_flags, all_flags))
         sees_verify = (i[None, :] < anchor[:, None])[:, None, :].expand(S, n, n)
         own = torch.where(is_seeded[:, None, None], seed_mask, all_see)
         parts = [sees_verify]
@@ -444,8 +445,7 @@ class RecGuide(LinearSS):
         2 -> [corr1, corr2, cont], >= 3 -> [corr1, corr2] (earliest risky first).
         likelihood: the 3 candidates most likely to be hit, by the drafter's own probabilities:
         a correction of d_p is hit with P ≈ Π_{i<p} q(d_i) · q(alt_p) (seedless: · (1 − q(d_p))),
-        the continuation with
-        Π_{i<b} q(d_i) · q(bonus guess)."""
+        the continuation with Π_{i<b} q(d_i) · q(bonus guess)."""
         S, n = margin.shape
         dev = margin.device
         conv = step.convention

@@ -38,9 +38,8 @@ tokens, a wrong one by 1.06: τ follows the seed-hit share (18%, mostly missed c
 
 Seedless pre-drafts (`tidar[seed=mask]`, the default; `seed=guess` keeps the guessed seeds
 above; `train-drafter --seedless` trains an adapter for them): instead of a guessed correction,
-sub-block
-j < B-1 is `[M×B]` at L+j+1 (adapter on, bidirectional), drafting the tokens AFTER the correction
-without knowing it, as TiDAR's own pre-drafts do. Shifted, logit i predicts L+j+2+i, so the drafts
+sub-block j < B-1 is `[M×B]` at L+j+1 (adapter on, bidirectional), drafting the tokens AFTER the
+correction without knowing it, as TiDAR's own pre-drafts do. Shifted, logit i predicts L+j+2+i, so the drafts
 read off the sub-block as they would from a seeded one; unshifted, logit 0 is an in-place guess of
 the correction (the seed-hit count reads it) and the drafts start at logit 1. The all-accepted
 sub-block keeps the rule above (shifted: seeded by the bonus guess). Measured on the math suite

@@ -24,8 +24,8 @@ block after a correction the verifier has not emitted yet; its position 0 is the
 (shifted: x_{s+1} without knowing x_s; unshifted: x_s itself). Such an adapter records
 `seedless: true` in its convention.
 
-Loss on block positions i >= 1 (and 0 in a seedless block) whose target is not visible in the input: (1 - kl_weight) *
-CE(self-distilled token) + kl_weight * KL(teacher || drafter), weighted by pos_decay ** (i - 1)
+Loss on block positions i >= 1 (and 0 in a seedless block) whose target is not visible in the
+input: (1 - kl_weight) * CE(self-distilled token) + kl_weight * KL(teacher || drafter), weighted by pos_decay ** (i - 1)
 (a draft at i only counts if all before it are accepted, so early positions matter most).
 
 Gradients flow through the LoRA-produced K/V that the model writes into the cache in place
@@ -50,7 +50,7 @@ from safetensors.torch import load_file, save_file
 
 from fastspec.config import FastspecError
 from fastspec.convention import (CONVENTIONS, FASTSPEC, DraftConvention, convention_from_dict,
-                                 draft_adapter_flags, draft_block_mask, seedless_block_mask)
+                                 draft_adapter_flags, draft_block_mask)
 from fastspec.draft import (ATTN_TARGETS, MLP_TARGETS, AdapterConfig, adapter_parameters,
                             adapter_state, attach_adapter, read_adapter, save_adapter,
                             set_adapter_state)
@@ -252,9 +252,10 @@ def training_mask(batch: Batch) -> torch.Tensor:
     j = blk.clamp(min=0)
     s = torch.gather(starts, 1, j)
     clean = (torch.arange(batch.clean_len, device=dev)[None, None, :] < s[..., None]) & real[..., None]
+    sizes = batch.sizes.reshape(-1)
     pattern = torch.where(batch.seedless.reshape(-1)[:, None, None],
-                          seedless_block_mask(batch.sizes.reshape(-1), B),
-                          draft_block_mask(batch.conv, batch.sizes.reshape(-1), B)).view(R, K, B, B)
+                          draft_block_mask(batch.conv, sizes, B, seedless=True),
+                          draft_block_mask(batch.conv, sizes, B)).view(R, K, B, B)
     rows = pattern[torch.arange(R, device=dev)[:, None], j, pos]               # [R, N(q), B]
     inner = torch.gather(rows, 2, pos[:, None, :].expand(R, N, N))              # [R, N, N(k)]
     inner = inner & (blk[:, :, None] == blk[:, None, :]) & real[:, :, None]
@@ -263,10 +264,13 @@ def training_mask(batch: Batch) -> torch.Tensor:
 
 
 def training_adapter_flags(batch: Batch) -> torch.Tensor:
-    """[R, N] adapter on/off per packed token, from the convention's draft flags (on everywhere
-    in a seedless block)."""
-    flags = draft_adapter_flags(batch.conv, 1, batch.block, batch.tok_pos.device)[0]
-    return (flags[batch.tok_pos] | batch.tok_seedless) & (batch.tok_block >= 0)
+    """[R, N] adapter on/off per packed token, from the convention's draft flags (a seedless
+    block's own)."""
+    dev = batch.tok_pos.device
+    flags = draft_adapter_flags(batch.conv, 1, batch.block, dev)[0]
+    seedless = draft_adapter_flags(batch.conv, 1, batch.block, dev, seedless=True)[0]
+    on = torch.where(batch.tok_seedless, seedless[batch.tok_pos], flags[batch.tok_pos])
+    return on & (batch.tok_block >= 0)
 
 
 class _LayerCache(list):
