@@ -5,7 +5,9 @@ The StepRunner (graphs/runner.py) compiles every step with `_skinny_backend(_pac
     w_gate_up, w_down, the LM head: fastspec/weights.py big_linear_weights) for the active kernel's
     `skinny_linear` on a copy of that weight packed into column panels (graphs/kernels.py) at the
     model's weight precision (fp32, bf16, or int8 + per-output scales); everything else (norms,
-    RoPE, SDPA, LoRA linears, embedding) is left to inductor, which fuses the pointwise work;
+    RoPE, LoRA linears, embedding) is left to inductor, which fuses the pointwise work;
+  * attention over the cache (traced as kernels.attention_op, fastspec/model/llama.py) becomes the
+    kernel's `cache_attention`, which reads each row's slot in place (no gathered K/V copy);
   * K/V-cache writes become an in-place op that touches only the new columns;
   * inductor compiles the result (its FX-graph cache lives under $FASTSPEC_CACHE/inductor).
 
@@ -90,6 +92,18 @@ def _rewrite_kv_writes(gm: torch.fx.GraphModule, inputs: set) -> int:
     return count
 
 
+def _swap_attention(graph: torch.fx.Graph, kernel) -> int:
+    """The reference attention op (kernels.attention_op: gathered K/V + SDPA) -> the kernel's
+    cache_attention, which reads each slot's K/V in place. Returns the count."""
+    ref = kernels.attention_op()
+    count = 0
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in (ref, ref.overloadpacket):
+            node.target = kernel.ops.cache_attention.default
+            count += 1
+    return count
+
+
 def _is_linear(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target in (F.linear, torch._C._nn.linear)
 
@@ -158,6 +172,7 @@ def _rewrite_regions(gm: torch.fx.GraphModule, packed_for, packed_inputs, kernel
                 p, sc = packed_inputs(pw)
                 site.args = (*site.args, p) + (() if sc is None else (sc,))
             count += 1
+        _swap_attention(sub.graph, kernel)
         sub.graph.lint()
         sub.recompile()
         setattr(gm, name, sub)
@@ -221,6 +236,7 @@ def _skinny_backend(packed: dict[int, Packed], kernel: "kernels.Kernel | None" =
             if _is_linear(node) and (pw := packed_for(_linear_args(node)[1])) is not None:
                 _to_skinny(gm.graph, node, kernel, *packed_inputs(pw), pw.out_features)
         if kernel is not None:
+            _swap_attention(gm.graph, kernel)
             _rewrite_regions(gm, packed_for, packed_inputs, kernel)
         _rewrite_kv_writes(gm, set(placeholders))
         # No eliminate_dead_code() here: it drops in-place ops whose result is unused

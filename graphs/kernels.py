@@ -56,7 +56,11 @@ _CPP = r"""
 #include <ATen/Parallel.h>
 #include <ATen/TensorIndexing.h>
 #include <torch/library.h>
+#include <ATen/cpu/vec/functional.h>   // at::vec::Vectorized<float>: width from CPU_CAPABILITY_*
+#include <ATen/cpu/vec/vec.h>
 #endif
+#include <cmath>
+#include <limits>
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -312,6 +316,95 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed,
   return y;
 }
 
+// Attention of the new tokens over their own slot's cache, read in place (no gathered copy of
+// every row's K/V, which a layer otherwise pays before SDPA):
+//   out[b, n, h*D:(h+1)*D] = sum_c p[c] V[slot_b, h/G, c],  p = softmax_c(scale q[b,n,h] . K[slot_b, h/G, c])
+// over the columns c < ctx with mask[b, n, c] (G = heads per K/V head). One task per (row b,
+// head h). Every query is computed alone with its columns in order, so a token's output does not
+// depend on the batch or on how many tokens share its forward. A query that sees no column
+// gets zeros (the engine never builds one: padded rows see their own column).
+at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_layer, const at::Tensor& v_layer,
+                           const at::Tensor& slots, const at::Tensor& mask) {
+  using Vf = at::vec::Vectorized<float>;
+  constexpr int64_t W = Vf::size();
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat, "cache_attention: q must be fp32 [B, N, H, D]");
+  TORCH_CHECK(k_layer.dim() == 4 && v_layer.sizes() == k_layer.sizes() && k_layer.scalar_type() == at::kFloat
+              && v_layer.scalar_type() == at::kFloat, "cache_attention: K/V must be fp32 [slots, kv_heads, len, D]");
+  const int64_t B = q.size(0), N = q.size(1), H = q.size(2), D = q.size(3);
+  const int64_t S = k_layer.size(0), KV = k_layer.size(1), L = k_layer.size(2);
+  TORCH_CHECK(k_layer.size(3) == D && KV > 0 && H % KV == 0, "cache_attention: head shapes disagree");
+  for (const at::Tensor* t : {&k_layer, &v_layer})
+    TORCH_CHECK(t->stride(3) == 1 && t->stride(2) == D && t->stride(1) == L * D,
+                "cache_attention: each slot's K/V must be row-major [kv_heads, len, D]");
+  TORCH_CHECK(mask.dim() == 3 && mask.size(0) == B && mask.size(1) == N && mask.scalar_type() == at::kBool
+              && mask.size(2) <= L, "cache_attention: mask must be bool [B, N, ctx <= len]");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == at::kLong,
+              "cache_attention: slots must be int64 [B]");
+  const int64_t ctx = mask.size(2), G = H / KV;
+  auto qc = q.contiguous();
+  auto mc = mask.contiguous();
+  auto sc = slots.contiguous();
+  auto out = at::empty({B, N, H * D}, q.options());
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = k_layer.data_ptr<float>();
+  const float* vp = v_layer.data_ptr<float>();
+  const bool* mp = mc.data_ptr<bool>();
+  const int64_t* sp = sc.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float sf = 1.f / std::sqrt(static_cast<float>(D));   // SDPA's default scale
+  const int64_t dv = D - D % W;              // whole vectors of a head; the rest lane by lane
+  at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> p(ctx);
+    for (int64_t t = t0; t < t1; t++) {
+      const int64_t b = t / H, h = t % H, slot = sp[b];
+      TORCH_CHECK(slot >= 0 && slot < S, "cache_attention: slot ", slot, " outside the cache");
+      const float* K = kp + slot * k_layer.stride(0) + (h / G) * L * D;
+      const float* V = vp + slot * v_layer.stride(0) + (h / G) * L * D;
+      for (int64_t n = 0; n < N; n++) {
+        const float* qr = qp + ((b * N + n) * H + h) * D;
+        const bool* mr = mp + (b * N + n) * ctx;
+        float* o = op + (b * N + n) * H * D + h * D;
+        // scores, four columns at a time (independent FMA chains)
+        float mx = -std::numeric_limits<float>::infinity();
+        auto dot = [&](const float* k) {
+          Vf a(0.f);
+          for (int64_t d = 0; d < dv; d += W) a = at::vec::fmadd(Vf::loadu(qr + d), Vf::loadu(k + d), a);
+          float r = at::vec::vec_reduce_all<float>([](Vf& x, Vf& y) { return x + y; }, a);
+          for (int64_t d = dv; d < D; d++) r += qr[d] * k[d];
+          return r * sf;
+        };
+        for (int64_t c = 0; c < ctx; c++) {
+          if (!mr[c]) { p[c] = -std::numeric_limits<float>::infinity(); continue; }
+          p[c] = dot(K + c * D);
+          mx = std::max(mx, p[c]);
+        }
+        if (mx == -std::numeric_limits<float>::infinity()) {
+          std::fill(o, o + D, 0.f);
+          continue;
+        }
+        int64_t c = 0;
+        for (; c + W <= ctx; c += W) (Vf::loadu(p.data() + c) - Vf(mx)).exp_u20().store(p.data() + c);
+        if (c < ctx) (Vf::loadu(p.data() + c, ctx - c) - Vf(mx)).exp_u20().store(p.data() + c, ctx - c);
+        // p @ V over the visible columns, accumulated in o
+        std::fill(o, o + D, 0.f);
+        float sum = 0.f;
+        for (c = 0; c < ctx; c++) {
+          if (!mr[c]) continue;
+          const float w = p[c];
+          const float* v = V + c * D;
+          sum += w;
+          const Vf wv(w);
+          for (int64_t d = 0; d < dv; d += W) at::vec::fmadd(wv, Vf::loadu(v + d), Vf::loadu(o + d)).store(o + d);
+          for (int64_t d = dv; d < D; d++) o[d] += w * v[d];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t d = 0; d < D; d++) o[d] *= inv;
+      }
+    }
+  });
+  return out;
+}
+
 // cache[layer][rows, :, cols] = value, in place (rows/cols broadcast like advanced indexing).
 void kv_write_(at::Tensor& cache, int64_t layer, const at::Tensor& rows, const at::Tensor& cols,
                const at::Tensor& value) {
@@ -330,10 +423,12 @@ void kv_write_(at::Tensor& cache, int64_t layer, const at::Tensor& rows, const a
 FS_LIBRARY(FASTSPEC_NS, m) {
   m.def("kv_write_(Tensor(a!) cache, int layer, Tensor rows, Tensor cols, Tensor value) -> ()");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? scales, int out_features) -> Tensor");
+  m.def("cache_attention(Tensor q, Tensor k_layer, Tensor v_layer, Tensor slots, Tensor mask) -> Tensor");
 }
 FS_LIBRARY_IMPL(FASTSPEC_NS, CPU, m) {
   m.impl("skinny_linear", &skinny_linear);
   m.impl("kv_write_", &kv_write_);
+  m.impl("cache_attention", &cache_attention);
 }
 #endif
 """
@@ -348,8 +443,9 @@ class _Isa:
 
 
 ISAS = {
-    "avx512": _Isa("avx512", 32, 12, ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma")),
-    "avx2": _Isa("avx2", 16, 6, ("-mavx2", "-mfma")),
+    "avx512": _Isa("avx512", 32, 12, ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma",
+                                      "-DCPU_CAPABILITY_AVX512")),
+    "avx2": _Isa("avx2", 16, 6, ("-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2")),
     "neon": _Isa("neon", 16, 6, ()),
 }
 # at::parallel_for is inlined from ATen's headers: without OpenMP it runs on one thread. Apple's
@@ -467,6 +563,11 @@ def load(isa: str) -> Kernel:
     def _(x, packed, scales, out_features):
         return x.new_empty((*x.shape[:-1], out_features))
 
+    @torch.library.register_fake(f"{ns}::cache_attention")
+    def _(q, k_layer, v_layer, slots, mask):
+        B, N, H, D = q.shape
+        return q.new_empty((B, N, H * D))
+
     @torch.library.register_fake(f"{ns}::kv_write_")
     def _(cache, layer, rows, cols, value):
         return None
@@ -514,6 +615,27 @@ def skinny_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | 
     if k is None:
         raise RuntimeError("fastspec skinny_linear kernel is unavailable on this machine")
     return k.linear(x, packed, scales, out_features)
+
+
+@functools.cache
+def attention_op():
+    """`fastspec_py::cache_attention(q, k_layer, v_layer, slots, mask)`: the model's attention over
+    its slots' cache as one opaque op whose implementation is the eager math
+    (fastspec/model/llama.py `attend_cache`). Compiled CPU steps trace it; fastspec's backend
+    (graphs/compile.py) swaps it for the kernel's `cache_attention`, any other backend runs it."""
+    from fastspec.model.llama import attend_cache
+
+    @torch.library.custom_op("fastspec_py::cache_attention", mutates_args=())
+    def cache_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
+                        slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return attend_cache(q, k_layer, v_layer, slots, mask)
+
+    @cache_attention.register_fake
+    def _(q, k_layer, v_layer, slots, mask):
+        B, N, H, D = q.shape
+        return q.new_empty((B, N, H * D))
+
+    return torch.ops.fastspec_py.cache_attention.default
 
 
 @functools.cache

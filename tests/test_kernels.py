@@ -97,6 +97,37 @@ def test_kernel_refuses_mismatched_panels():
         k.linear(torch.randn(2, 8), q, None, 20)
 
 
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+def test_cache_attention_equals_sdpa_over_the_gathered_slots(isa):
+    """The kernel's attention reads each row's slot of the cache in place and gives what SDPA
+    gives over the gathered K/V (fastspec/model/llama.py attend_cache): grouped heads, head dims
+    that are not a whole number of vectors, ragged masks, a strided layer view of the cache."""
+    from fastspec.model.llama import attend_cache
+    k = kernels.load(isa)
+    g = torch.Generator().manual_seed(0)
+    for B, N, H, KV, D, L, ctx in [(1, 1, 9, 3, 64, 40, 33), (3, 5, 4, 2, 40, 20, 20),
+                                   (2, 16, 6, 6, 17, 70, 64), (1, 3, 2, 1, 8, 5, 1)]:
+        S = B + 2
+        cache = torch.randn(2, 2, S, KV, L, D, generator=g)         # [K/V, layers, slots, ...]
+        kc, vc = cache[0, 1], cache[1, 1]                           # layer 1: a strided view
+        q = torch.randn(B, H, N, D, generator=g).transpose(1, 2)    # not contiguous
+        slots = torch.randperm(S, generator=g)[:B]
+        mask = torch.rand(B, N, ctx, generator=g) < 0.5
+        mask[..., torch.randint(0, ctx, (1,), generator=g)] = True  # no empty row
+        out = k.ops.cache_attention(q, kc, vc, slots, mask)
+        assert out.shape == (B, N, H * D)
+        torch.testing.assert_close(out, attend_cache(q, kc, vc, slots, mask), rtol=1e-5, atol=1e-5)
+        # A row's output does not depend on the other rows sharing its call (bit for bit).
+        alone = k.ops.cache_attention(q[-1:, -1:], kc, vc, slots[-1:], mask[-1:, -1:])
+        assert torch.equal(alone, out[-1:, -1:])
+    # A query that sees no column gets zeros; a slot outside the cache is refused.
+    mask[0, 0] = False
+    assert not k.ops.cache_attention(q, kc, vc, slots, mask)[0, 0].any()
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        k.ops.cache_attention(q, kc, vc, torch.tensor([S]), mask)
+
+
 NEON_HARNESS = r"""
 #include <cmath>
 #include <cstdio>
@@ -351,6 +382,9 @@ def test_regional_compilation_traces_one_layer_and_reuses_it(monkeypatch):
     assert len(_calls(body.graph, skinny)) == 4
     assert not _calls(body.graph, F.linear) and not _calls(body.graph, torch._C._nn.linear)
     assert len(_calls(gm.graph, skinny)) == 1                      # the LM head, outside the layers
+    # Attention reads the cache in place through the kernel, never the gathered reference.
+    assert len(_calls(body.graph, kernels.active().ops.cache_attention.default)) == 1
+    assert not _calls(body.graph, kernels.attention_op())
     # Each layer passes its own panels: 3 layers x 4 weights + the head, all different tensors.
     panels = {id(r.args[-4:][i]) for r in regions for i in range(4)}
     assert len(panels) == 12
@@ -363,4 +397,5 @@ def test_whole_step_compilation_is_still_available(monkeypatch):
     gm, out, ref, _ = _compiled_graph(monkeypatch, "0", layers=2)
     assert not _calls(gm.graph, torch.ops.higher_order.invoke_subgraph)
     assert len(_calls(gm.graph, kernels.active().ops.skinny_linear.default)) == 4 * 2 + 1
+    assert len(_calls(gm.graph, kernels.active().ops.cache_attention.default)) == 2
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

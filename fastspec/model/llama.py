@@ -148,18 +148,46 @@ class Attention(nn.Module):
         # against cache [slots, kv_heads, max_len, head_dim] -> values laid out [B, N, kv, D].
         k_layer[slots[:, None], :, write_cols] = k.to(k_layer.dtype)
         v_layer[slots[:, None], :, write_cols] = v.to(v_layer.dtype)
-        ctx = mask.shape[-1]
-        keys = k_layer[:, :, :ctx].index_select(0, slots)
-        values = v_layer[:, :, :ctx].index_select(0, slots)
-
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
-            attn_mask=mask[:, None, :, :], enable_gqa=self.n_kv != self.n_heads)
-        out = out.transpose(1, 2).reshape(B, N, self.n_heads * self.head_dim)
+        if (_CPU_ATTENTION is not None and torch.compiler.is_compiling() and q.device.type == "cpu"
+                and q.dtype == k_layer.dtype == torch.float32 and N <= CPU_ATTENTION_MAX_QUERIES):
+            out = _CPU_ATTENTION(q, k_layer, v_layer, slots, mask)
+        else:
+            out = attend_cache(q, k_layer, v_layer, slots, mask)
         y = F.linear(out, self.wo)
         if (d := lora_delta(self.lora if self.fused is None else self.fused, "o", out, adapter_gate)) is not None:
             y = y + d
         return y
+
+
+def attend_cache(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, slots: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+    """Attention of new queries q [B, N, H, D] over the first ctx = mask.shape[-1] columns of
+    their slots' cache (k_layer, v_layer [slots, kv_heads, len, D]; mask [B, N, ctx] bool):
+    [B, N, H * D]. SDPA over each row's gathered K/V."""
+    B, N, H, D = q.shape
+    ctx = mask.shape[-1]
+    keys = k_layer[:, :, :ctx].index_select(0, slots)
+    values = v_layer[:, :, :ctx].index_select(0, slots)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
+        attn_mask=mask[:, None, :, :], enable_gqa=k_layer.shape[1] != H)
+    return out.transpose(1, 2).reshape(B, N, H * D)
+
+
+# Set by the StepRunner when fastspec's CPU backend has a kernel (graphs/kernels.py
+# `attention_op`): compiled fp32 CPU steps then trace attention as that one opaque op, whose
+# reference is `attend_cache` and which the backend swaps for the kernel's cache_attention (reads
+# each slot's K/V in place instead of gathering copies). None: `attend_cache` everywhere.
+_CPU_ATTENTION = None
+# The kernel computes one query at a time; past 8 new tokens per row, SDPA's blocked products over
+# the gathered copy win (SmolLM2-135M fp32, ctx 256, 2 threads: 8 tokens 31.8 vs 33.4 ms a
+# forward, 16 tokens 42.5 vs 39.4 ms). The choice is made per step shape, at trace time.
+CPU_ATTENTION_MAX_QUERIES = 8
+
+
+def set_cpu_attention(op) -> None:
+    global _CPU_ATTENTION
+    _CPU_ATTENTION = op
 
 
 class MLP(nn.Module):
