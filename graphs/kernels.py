@@ -364,38 +364,73 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_layer, const
         const float* qr = qp + ((b * N + n) * H + h) * D;
         const bool* mr = mp + (b * N + n) * ctx;
         float* o = op + (b * N + n) * H * D + h * D;
-        // scores, four columns at a time (independent FMA chains)
-        float mx = -std::numeric_limits<float>::infinity();
-        auto dot = [&](const float* k) {
-          Vf a(0.f);
-          for (int64_t d = 0; d < dv; d += W) a = at::vec::fmadd(Vf::loadu(qr + d), Vf::loadu(k + d), a);
-          float r = at::vec::vec_reduce_all<float>([](Vf& x, Vf& y) { return x + y; }, a);
-          for (int64_t d = dv; d < D; d++) r += qr[d] * k[d];
-          return r * sf;
-        };
-        for (int64_t c = 0; c < ctx; c++) {
-          if (!mr[c]) { p[c] = -std::numeric_limits<float>::infinity(); continue; }
-          p[c] = dot(K + c * D);
+        // Scores, four columns at a time: four independent FMA chains hide their latency (one
+        // column after another, a query spent ~40 cycles per column waiting on its chain).
+        const float neg_inf = -std::numeric_limits<float>::infinity();
+        auto reduce = [](Vf a) { return at::vec::vec_reduce_all<float>([](Vf& x, Vf& y) { return x + y; }, a); };
+        float mx = neg_inf;
+        int64_t c = 0;
+        for (; c + 4 <= ctx; c += 4) {
+          const float* k0 = K + c * D;
+          Vf a0(0.f), a1(0.f), a2(0.f), a3(0.f);
+          for (int64_t d = 0; d < dv; d += W) {
+            const Vf qv = Vf::loadu(qr + d);
+            a0 = at::vec::fmadd(qv, Vf::loadu(k0 + d), a0);
+            a1 = at::vec::fmadd(qv, Vf::loadu(k0 + D + d), a1);
+            a2 = at::vec::fmadd(qv, Vf::loadu(k0 + 2 * D + d), a2);
+            a3 = at::vec::fmadd(qv, Vf::loadu(k0 + 3 * D + d), a3);
+          }
+          float r[4] = {reduce(a0), reduce(a1), reduce(a2), reduce(a3)};
+          for (int j = 0; j < 4; j++) {
+            for (int64_t d = dv; d < D; d++) r[j] += qr[d] * k0[j * D + d];
+            p[c + j] = mr[c + j] ? r[j] * sf : neg_inf;
+            mx = std::max(mx, p[c + j]);
+          }
+        }
+        for (; c < ctx; c++) {
+          const float* k0 = K + c * D;
+          Vf a0(0.f);
+          for (int64_t d = 0; d < dv; d += W) a0 = at::vec::fmadd(Vf::loadu(qr + d), Vf::loadu(k0 + d), a0);
+          float r = reduce(a0);
+          for (int64_t d = dv; d < D; d++) r += qr[d] * k0[d];
+          p[c] = mr[c] ? r * sf : neg_inf;
           mx = std::max(mx, p[c]);
         }
-        if (mx == -std::numeric_limits<float>::infinity()) {
+        if (mx == neg_inf) {
           std::fill(o, o + D, 0.f);
           continue;
         }
-        int64_t c = 0;
-        for (; c + W <= ctx; c += W) (Vf::loadu(p.data() + c) - Vf(mx)).exp_u20().store(p.data() + c);
+        // Weights exp(s - max), exactly 0 where masked; their sum.
+        Vf sv(0.f);
+        for (c = 0; c + W <= ctx; c += W) {
+          const Vf e = (Vf::loadu(p.data() + c) - Vf(mx)).exp_u20();
+          e.store(p.data() + c);
+        }
         if (c < ctx) (Vf::loadu(p.data() + c, ctx - c) - Vf(mx)).exp_u20().store(p.data() + c, ctx - c);
-        // p @ V over the visible columns, accumulated in o
+        for (c = 0; c < ctx; c++) p[c] = mr[c] ? p[c] : 0.f;
+        for (c = 0; c + W <= ctx; c += W) sv = sv + Vf::loadu(p.data() + c);
+        float sum = reduce(sv);
+        for (; c < ctx; c++) sum += p[c];
+        // p @ V, four columns per pass over the output (one load and store of o per four).
         std::fill(o, o + D, 0.f);
-        float sum = 0.f;
-        for (c = 0; c < ctx; c++) {
-          if (!mr[c]) continue;
-          const float w = p[c];
-          const float* v = V + c * D;
-          sum += w;
-          const Vf wv(w);
-          for (int64_t d = 0; d < dv; d += W) at::vec::fmadd(wv, Vf::loadu(v + d), Vf::loadu(o + d)).store(o + d);
-          for (int64_t d = dv; d < D; d++) o[d] += w * v[d];
+        for (c = 0; c < ctx; c += 4) {
+          const int64_t nc = std::min<int64_t>(4, ctx - c);
+          const float w0 = p[c], w1 = nc > 1 ? p[c + 1] : 0.f, w2 = nc > 2 ? p[c + 2] : 0.f,
+                      w3 = nc > 3 ? p[c + 3] : 0.f;
+          const float* v0 = V + c * D;
+          // (a missing column repeats column c with weight 0: in bounds, adds nothing)
+          const float* v1 = nc > 1 ? v0 + D : v0;
+          const float* v2 = nc > 2 ? v0 + 2 * D : v0;
+          const float* v3 = nc > 3 ? v0 + 3 * D : v0;
+          for (int64_t d = 0; d < dv; d += W) {
+            Vf acc = Vf::loadu(o + d);
+            acc = at::vec::fmadd(Vf(w0), Vf::loadu(v0 + d), acc);
+            acc = at::vec::fmadd(Vf(w1), Vf::loadu(v1 + d), acc);
+            acc = at::vec::fmadd(Vf(w2), Vf::loadu(v2 + d), acc);
+            acc = at::vec::fmadd(Vf(w3), Vf::loadu(v3 + d), acc);
+            acc.store(o + d);
+          }
+          for (int64_t d = dv; d < D; d++) o[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d];
         }
         const float inv = 1.f / sum;
         for (int64_t d = 0; d < D; d++) o[d] *= inv;
