@@ -7,6 +7,7 @@ import torch
 
 from conftest import random_token_prompts, tiny_drafter
 from helpers import EOS, MASK, FakeStep, copy_model, exact_pair_law, logits_from, prefilled_engine
+from fastspec.config import FastspecError
 from fastspec.convention import FASTSPEC, NLD
 from fastspec.engine import Engine, Step
 from fastspec.methods.base import RunInfo
@@ -140,6 +141,24 @@ def test_likelihood_policy_ranks_branches_by_the_drafters_probabilities():
     assert wanted[0].tolist() == [True, True, True]
 
 
+def test_likelihood_policy_with_more_slots_takes_the_next_most_likely_candidates():
+    """slots=5 on the example above: its three candidates (d2, cont, d3; d1 is exact and the
+    last draft has no correction branch), then two unwanted slots, pointing inside the block."""
+    m = RecGuide(block=4, policy="likelihood", slots=5, branches=5)
+    prob = torch.tensor([[0.9, 0.45, 0.9, 0.8]])
+    alt_prob = torch.tensor([[0.01, 0.40, 0.02, 0.05]])
+    margin = torch.tensor([[0.8, 0.05, 0.8, 0.7]])
+    idx, cont, wanted, _ = m.candidates(FakeStep([], 4), torch.tensor([4]), margin, prob,
+                                        alt_prob, torch.tensor([1]))
+    assert cont[0].tolist() == [False, True, False, False, False]
+    assert idx[0].tolist()[:3] == [1, 0, 2] and wanted[0].tolist() == [True, True, True, False, False]
+    assert all(0 <= i < 4 for i in idx[0].tolist())
+    with pytest.raises(FastspecError, match="slots must be"):
+        RecGuide(slots=5)                        # the reference policy has its three
+    with pytest.raises(FastspecError, match="slots must be"):
+        RecGuide(policy="likelihood", slots=7)
+
+
 # --- on a model ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def drafter():
@@ -189,6 +208,10 @@ def test_greedy_recguide_equals_ar(drafter, branches, concurrency):
         out = engine.generate(ps, params, method=RecGuide(block=8, branches=branches, policy=policy),
                               concurrency=concurrency)
         assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    # Six likelihood-ranked slots (forced, or as many as the gate takes).
+    wide = RecGuide(block=8, branches=6 if branches == 3 else branches, policy="likelihood", slots=6)
+    out = engine.generate(ps, params, method=wide, concurrency=concurrency)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
 
 
 @pytest.mark.parametrize("convention", [FASTSPEC, NLD], ids=["fastspec", "nld"])

@@ -57,8 +57,9 @@ from fastspec.verify import accept_chain
 STREAM_BRANCH = 16              # + slot: the random stream of a branch's sampled drafts
 CORR1, CORR2, CONT = 0, 1, 2    # branch kinds, in the reference policy's order
 # Host values a round returns per row (RoundOutput.host columns): risky count, wanted branches,
-# covered by wanted branch 0..2, hit, branch slots laid out.
-H_RISKY, H_WANTED, H_COVERED, H_HIT, H_SLOTS = 0, 1, 2, 5, 6
+# hit, branch slots laid out, then covered by candidate 0, 1, ... (one column per candidate).
+H_RISKY, H_WANTED, H_HIT, H_SLOTS, H_COVERED = 0, 1, 2, 3, 4
+MAX_SLOTS = 6                   # branch slots the likelihood policy may lay out (`slots=`)
 
 
 def overlap_layout(step, verify_ids, blocks, anchors, firsts, seeded):
@@ -118,14 +119,16 @@ class RecGuide(LinearSS):
                  policy: str = "reference", blocks: tuple[int, ...] | None = None,
                  tables: SurvivalTables | str | None = None, objective: str = "ratio", rho: float = 0.0,
                  use_signal: bool = True, use_stratum: bool = True, bucketing: bool = True,
-                 seed: str = "guess"):
+                 seed: str = "guess", slots: int = 3):
         """block: the (starting) block size. blocks: the set each request chooses from per round
         (None: `block` only, fixed). tables: survival tables (None: a geometric cold start from
         the history signal). branches: "gate" (the cost gate picks the slot count each round) or
         a fixed count. prior_hits: the hit rate assumed for a slot before any round is observed.
         use_signal / use_stratum / bucketing: the ablation steps of the adaptive block size.
         seed: how a correction branch starts: "guess" (the alternative token, the paper's) or
-        "mask" (seedless: hit by any correction at its position; see the module doc)."""
+        "mask" (seedless: hit by any correction at its position; see the module doc).
+        slots: under the likelihood policy, how many candidates (and so branch slots at most) a
+        row gets, 1..6; the reference policy always has its three (corr1, corr2, cont)."""
         super().__init__(block)
         blocks = (blocks,) if isinstance(blocks, int) else blocks
         self.blocks = tuple(sorted(set(blocks or (block,))))
@@ -151,7 +154,12 @@ class RecGuide(LinearSS):
         self.threshold = threshold
         self.max_corrections = max_corrections
         self.continuation = bool(continuation)
-        self.max_slots = max_corrections + int(continuation)
+        if not 1 <= slots <= MAX_SLOTS or (slots != 3 and policy != "likelihood"):
+            raise FastspecError(f"recguide: slots must be 1..{MAX_SLOTS} with policy=likelihood "
+                                f"(the reference policy has 3), got {slots}")
+        # Candidates per row (host columns); branch slots a layout may have.
+        self.n_cand = slots if policy == "likelihood" else 3
+        self.max_slots = slots if policy == "likelihood" else max_corrections + int(continuation)
         if branches != "gate" and not 0 <= int(branches) <= self.max_slots:
             raise FastspecError(f"--branches must be gate or 0..{self.max_slots}, got {branches}")
         self.branches = branches
@@ -171,7 +179,8 @@ class RecGuide(LinearSS):
     def key_name(self) -> str:
         return (f"recguide({self.policy},t={self.threshold},corr={self.max_corrections},"
                 f"cont={int(self.continuation)},blocks={'/'.join(map(str, self.blocks))},"
-                f"bucketing={int(self.bucketing)}{',seedless' if self.seedless_corrections else ''})")
+                f"bucketing={int(self.bucketing)}{',seedless' if self.seedless_corrections else ''}"
+                f"{f',slots={self.n_cand}' if self.n_cand != 3 else ''})")
 
     def begin(self, run) -> None:
         if run is not None:
@@ -180,8 +189,8 @@ class RecGuide(LinearSS):
             self.rows = run.rows
             self.forward_ms = run.forward_ms
         # Counterfactual hit counts per slot: slot j's wanted branch matched the outcome.
-        self.slot_covered = [0] * 3
-        self.slot_trials = [0] * 3
+        self.slot_covered = [0] * self.n_cand
+        self.slot_trials = [0] * self.n_cand
         self.table3 = {"rounds": 0, "proposed": 0, "laid_out": 0, "covered": 0, "reused": 0}
         self.decisions: dict[int, int] = {}          # branch slots laid out -> rounds
         self.block_choices: dict[int, int] = {}      # block size -> rounds (Table 4)
@@ -306,14 +315,14 @@ class RecGuide(LinearSS):
         if h:                                    # the previous round's outcome and coverage
             seq.state.setdefault("blocks", []).append(seq.block)
             wanted = h[H_WANTED]
-            for j in range(min(wanted, 3)):
+            for j in range(min(wanted, self.n_cand)):
                 self.slot_trials[j] += 1
                 self.slot_covered[j] += h[H_COVERED + j]
             t = self.table3
             t["rounds"] += 1
             t["proposed"] += wanted
             t["laid_out"] += min(wanted, h[H_SLOTS])
-            t["covered"] += int(any(h[H_COVERED + j] for j in range(min(wanted, 3))))
+            t["covered"] += int(any(h[H_COVERED + j] for j in range(min(wanted, self.n_cand))))
             t["reused"] += h[H_HIT]
         hit = bool(h) and h[H_HIT] == 1
         # A carried block keeps its size; otherwise the verifier's history picks the next one.
@@ -355,7 +364,7 @@ class RecGuide(LinearSS):
             prob, conf, margin = draft_stats(logits, drafts)
             alt, alt_prob = self.alternatives(logits, drafts)
 
-        # Candidate branches, up to 3 per row, in slot order: (aligned index of the corrected
+        # Candidate branches, up to n_cand per row, in slot order: (aligned index of the corrected
         # draft, or the continuation) and whether the row wants it at all.
         rows = torch.arange(S, device=dev)
         # The continuation's first token stands for the bonus. A shifted drafter already guessed
@@ -396,7 +405,7 @@ class RecGuide(LinearSS):
         corr_ok = (accepted[:, None] == slot_idx) & ~full[:, None]
         if corr_seeded:
             corr_ok = corr_ok & (out_tok[:, None] == alt.gather(1, slot_idx))
-        covers = torch.where(slot_cont, cont_ok[:, None], corr_ok) & wanted      # [S, 3]
+        covers = torch.where(slot_cont, cont_ok[:, None], corr_ok) & wanted      # [S, K]
 
         new = {"valid": torch.zeros_like(pending), "drafts": drafts, "prob": prob, "conf": conf,
                "margin": margin, "alt": alt, "alt_prob": alt_prob}
@@ -426,8 +435,8 @@ class RecGuide(LinearSS):
             new["alt_prob"] = torch.where(take, b_alt_prob, new["alt_prob"])
             if b_logp is not None:
                 new["logp"] = torch.where(take[..., None], b_logp, new["logp"])
-        host = torch.cat([c[:, None], wanted.long().sum(-1, keepdim=True), covers.long(),
-                          new["valid"][:, None], torch.full_like(c, k_slots)[:, None]], 1)
+        host = torch.cat([c[:, None], wanted.long().sum(-1, keepdim=True), new["valid"][:, None],
+                          torch.full_like(c, k_slots)[:, None], covers.long()], 1)
         for k, w in widths.items():
             if w > n:
                 pad = (0, 0, 0, w - n) if new[k].dim() == 3 else (0, w - n)
@@ -438,12 +447,12 @@ class RecGuide(LinearSS):
         return alternatives(logits, drafts, self.eos_ids)
 
     def candidates(self, step, blocks, margin, prob, alt_prob, bonus_guess):
-        """Up to 3 branches per row in slot order: (aligned index [S, 3] of the draft a correction
-        replaces, is-continuation [S, 3], wanted [S, 3]) and the risky count c [S].
+        """Up to K = n_cand branches per row in slot order: (aligned index [S, K] of the draft a
+        correction replaces, is-continuation [S, K], wanted [S, K]) and the risky count c [S].
 
         reference: risky = 1 − margin > threshold; by c: 0 -> [cont], 1 -> [corr1, cont],
         2 -> [corr1, corr2, cont], >= 3 -> [corr1, corr2] (earliest risky first).
-        likelihood: the 3 candidates most likely to be hit, by the drafter's own probabilities:
+        likelihood: the K candidates most likely to be hit, by the drafter's own probabilities:
         a correction of d_p is hit with P ≈ Π_{i<p} q(d_i) · q(alt_p) (seedless: · (1 − q(d_p))),
         the continuation with Π_{i<b} q(d_i) · q(bonus guess)."""
         S, n = margin.shape
@@ -467,9 +476,12 @@ class RecGuide(LinearSS):
             # A Python flag, not a tensor: nothing is copied from the host inside a captured step.
             cont_score = all_acc * g if self.continuation else torch.full_like(all_acc, -1.0)
             score = torch.cat([corr_score, cont_score], 1)                 # [S, n + 1]
-            top = score.topk(3, dim=-1)
+            if self.n_cand > n + 1:                  # fewer positions than candidates: unwanted
+                score = torch.cat([score, score.new_full((S, self.n_cand - n - 1), -1.0)], 1)
+            top = score.topk(self.n_cand, dim=-1)
             cont = top.indices == n
-            idx = torch.where(cont, torch.zeros_like(top.indices), top.indices)
+            # (the continuation and padding columns index no draft: point them at draft 0)
+            idx = torch.where(top.indices >= n, torch.zeros_like(top.indices), top.indices)
             return idx, cont, top.values >= 0, c
         rank = risky.long().cumsum(-1)
         idx1 = ((rank == 1) & risky).long().argmax(-1)              # aligned index of 1st risky
