@@ -243,8 +243,9 @@ def _skinny_backend(packed: dict[int, Packed], kernel: "kernels.Kernel | None" =
         # (`t.scatter_(...)` on a tensor read later), silently changing the step's outputs.
         gm.graph.lint()
         gm.recompile()
-        # No size/stride asserts on every op's output in the wrapper: ~0.5 ms of Python a decode
-        # step (int8 weights: 8.1 -> 7.5 ms), checks that our own ops' fake kernels already make.
+        # No size/stride asserts on every extern op's output in the wrapper (~0.5 ms of Python a
+        # decode step, int8 weights: 8.1 -> 7.5 ms): debug checks that each op's output matches its
+        # fake kernel, which the kernel tests check for ours.
         compiled = compile_fx(gm, list(example_inputs) + extra,
                               config_patches={"size_asserts": False, "alignment_asserts": False})
 
