@@ -224,14 +224,15 @@ constexpr std::array<ukern_fn<WT>, MR_MAX + 1> table(std::index_sequence<R...>) 
 // slower). Measured on Zen 4 it pays once the loop spends longer per weight byte
 // than one fp32 row over a 128-byte AVX-512 row (2+ rows over a <= 64-byte row: bf16, int8, AVX2)
 // and costs ~10% where the hardware prefetcher already keeps up (1 fp32 row; 2-4 rows over 128
-// bytes). A single row of bf16 / int8 weights needs it too on Sapphire Rapids (a whole decode
-// forward's GEMMs, AVX-512, 2 threads: bf16 15.0 -> 12.1 ms, int8 9.3 -> 7.0 ms; fp32 unchanged),
-// there from 4 KB ahead (the L2 streamer stops at each 4 KB page; 8 KB ahead was ~5% slower).
+// bytes). A single row over a <= 64-byte panel row needs it too on Sapphire Rapids (a whole
+// decode forward's GEMMs, 2 threads: AVX-512 bf16 15.0 -> 12.1 ms, int8 9.3 -> 7.0 ms; AVX2 fp32
+// 25.0 -> 22.4 ms; AVX-512 fp32, 128-byte rows, unchanged), there from 4 KB ahead (the L2
+// streamer stops at each 4 KB page; 8 KB ahead was ~5% slower).
 constexpr int64_t KC = 256;
 
 template <typename WT>
 constexpr bool prefetch_rows(int64_t M) {
-  return (M >= 2 || sizeof(WT) < sizeof(float)) && (PANEL * sizeof(WT) <= 64 || M >= 8);
+  return PANEL * sizeof(WT) <= 64 || M >= 8;
 }
 
 // How many panel rows ahead to prefetch.
