@@ -269,11 +269,13 @@ class StepRunner:
             self._kernel = kernels.active()
             self._packed = (_pack_model(self.model, self._kernel)
                             if self.model is not None and self._kernel is not None else {})
-            if self._kernel is not None and os.environ.get("FASTSPEC_ATTENTION", "kernel") != "sdpa":
+            if self._kernel is not None:
                 # Compiled CPU steps trace attention as one op the backend swaps for the kernel's
-                # (FASTSPEC_ATTENTION=sdpa keeps inductor's gather + SDPA, for A/B runs).
+                # (FASTSPEC_ATTENTION=sdpa keeps inductor's gather + SDPA, for A/B runs; the
+                # choice is the process's, made by the runner that compiles next).
                 from fastspec.model.llama import set_cpu_attention
-                set_cpu_attention(kernels.attention_op())
+                sdpa = os.environ.get("FASTSPEC_ATTENTION", "kernel") == "sdpa"
+                set_cpu_attention(None if sdpa else kernels.attention_op())
         return _skinny_backend(self._packed, self._kernel)
 
     def _compile(self, key: GraphKey, kind: str, fn: Callable) -> Callable:

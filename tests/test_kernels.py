@@ -392,6 +392,20 @@ def test_regional_compilation_traces_one_layer_and_reuses_it(monkeypatch):
 
 
 @needs_kernel
+def test_fastspec_attention_sdpa_keeps_the_gathered_attention(monkeypatch):
+    """The A/B switch: with FASTSPEC_ATTENTION=sdpa a compiled layer has no kernel attention."""
+    monkeypatch.setenv("FASTSPEC_ATTENTION", "sdpa")
+    gm, out, ref, _ = _compiled_graph(monkeypatch, "1", layers=2)
+    body = getattr(gm, _calls(gm.graph, torch.ops.higher_order.invoke_subgraph)[0].args[0].target)
+    assert not _calls(body.graph, kernels.active().ops.cache_attention.default)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    monkeypatch.delenv("FASTSPEC_ATTENTION")
+    gm, _, _, _ = _compiled_graph(monkeypatch, "1", layers=2)
+    body = getattr(gm, _calls(gm.graph, torch.ops.higher_order.invoke_subgraph)[0].args[0].target)
+    assert len(_calls(body.graph, kernels.active().ops.cache_attention.default)) == 1
+
+
+@needs_kernel
 def test_whole_step_compilation_is_still_available(monkeypatch):
     """FASTSPEC_REGIONAL=0 traces every layer inline: no regions, every big GEMM packed in place."""
     gm, out, ref, _ = _compiled_graph(monkeypatch, "0", layers=2)
