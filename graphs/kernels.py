@@ -354,6 +354,8 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_layer, const
   float* op = out.data_ptr<float>();
   const float sf = 1.f / std::sqrt(static_cast<float>(D));   // SDPA's default scale
   const int64_t dv = D - D % W;              // whole vectors of a head; the rest lane by lane
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  auto reduce = [](Vf a) { return at::vec::vec_reduce_all<float>([](Vf& x, Vf& y) { return x + y; }, a); };
   at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> p(ctx);
     for (int64_t t = t0; t < t1; t++) {
@@ -367,8 +369,6 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_layer, const
         float* o = op + (b * N + n) * H * D + h * D;
         // Scores, four columns at a time: four independent FMA chains hide their latency (one
         // column after another, a query spent ~40 cycles per column waiting on its chain).
-        const float neg_inf = -std::numeric_limits<float>::infinity();
-        auto reduce = [](Vf a) { return at::vec::vec_reduce_all<float>([](Vf& x, Vf& y) { return x + y; }, a); };
         float mx = neg_inf;
         int64_t c = 0;
         for (; c + 4 <= ctx; c += 4) {
@@ -402,16 +402,13 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_layer, const
           continue;
         }
         // Weights exp(s - max), exactly 0 where masked; their sum.
-        Vf sv(0.f);
-        for (c = 0; c + W <= ctx; c += W) {
-          const Vf e = (Vf::loadu(p.data() + c) - Vf(mx)).exp_u20();
-          e.store(p.data() + c);
-        }
+        for (c = 0; c + W <= ctx; c += W) (Vf::loadu(p.data() + c) - Vf(mx)).exp_u20().store(p.data() + c);
         if (c < ctx) (Vf::loadu(p.data() + c, ctx - c) - Vf(mx)).exp_u20().store(p.data() + c, ctx - c);
-        for (c = 0; c < ctx; c++) p[c] = mr[c] ? p[c] : 0.f;
-        for (c = 0; c + W <= ctx; c += W) sv = sv + Vf::loadu(p.data() + c);
-        float sum = reduce(sv);
-        for (; c < ctx; c++) sum += p[c];
+        float sum = 0.f;
+        for (c = 0; c < ctx; c++) {
+          p[c] = mr[c] ? p[c] : 0.f;
+          sum += p[c];
+        }
         // p @ V, four columns per pass over the output (one load and store of o per four).
         std::fill(o, o + D, 0.f);
         for (c = 0; c < ctx; c += 4) {
@@ -578,6 +575,12 @@ class Kernel:
         return self.ops.skinny_linear(x, packed, scales, out_features)
 
 
+def _attention_fake(q, k_layer, v_layer, slots, mask):
+    """Shape of cache_attention's output (the kernel's op and the reference): [B, N, H * D]."""
+    B, N, H, D = q.shape
+    return q.new_empty((B, N, H * D))
+
+
 @functools.cache
 def load(isa: str) -> Kernel:
     """Build (once; cached on disk) and load the kernel for `isa`; raises if the build fails.
@@ -599,10 +602,7 @@ def load(isa: str) -> Kernel:
     def _(x, packed, scales, out_features):
         return x.new_empty((*x.shape[:-1], out_features))
 
-    @torch.library.register_fake(f"{ns}::cache_attention")
-    def _(q, k_layer, v_layer, slots, mask):
-        B, N, H, D = q.shape
-        return q.new_empty((B, N, H * D))
+    torch.library.register_fake(f"{ns}::cache_attention")(_attention_fake)
 
     @torch.library.register_fake(f"{ns}::kv_write_")
     def _(cache, layer, rows, cols, value):
@@ -666,11 +666,7 @@ def attention_op():
                         slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return attend_cache(q, k_layer, v_layer, slots, mask)
 
-    @cache_attention.register_fake
-    def _(q, k_layer, v_layer, slots, mask):
-        B, N, H, D = q.shape
-        return q.new_empty((B, N, H * D))
-
+    cache_attention.register_fake(_attention_fake)
     return torch.ops.fastspec_py.cache_attention.default
 
 

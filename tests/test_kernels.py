@@ -369,6 +369,11 @@ def _calls(graph: torch.fx.Graph, target) -> list:
     return [n for n in graph.nodes if n.op == "call_function" and n.target is target]
 
 
+def _region_body(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The decoder layer's compiled region (the subgraph every layer calls)."""
+    return getattr(gm, _calls(gm.graph, torch.ops.higher_order.invoke_subgraph)[0].args[0].target)
+
+
 @needs_kernel
 def test_regional_compilation_traces_one_layer_and_reuses_it(monkeypatch):
     """Every decoder layer calls the same compiled region (one trace, one build, no recompiles
@@ -396,13 +401,11 @@ def test_fastspec_attention_sdpa_keeps_the_gathered_attention(monkeypatch):
     """The A/B switch: with FASTSPEC_ATTENTION=sdpa a compiled layer has no kernel attention."""
     monkeypatch.setenv("FASTSPEC_ATTENTION", "sdpa")
     gm, out, ref, _ = _compiled_graph(monkeypatch, "1", layers=2)
-    body = getattr(gm, _calls(gm.graph, torch.ops.higher_order.invoke_subgraph)[0].args[0].target)
-    assert not _calls(body.graph, kernels.active().ops.cache_attention.default)
+    assert not _calls(_region_body(gm).graph, kernels.active().ops.cache_attention.default)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     monkeypatch.delenv("FASTSPEC_ATTENTION")
     gm, _, _, _ = _compiled_graph(monkeypatch, "1", layers=2)
-    body = getattr(gm, _calls(gm.graph, torch.ops.higher_order.invoke_subgraph)[0].args[0].target)
-    assert len(_calls(body.graph, kernels.active().ops.cache_attention.default)) == 1
+    assert len(_calls(_region_body(gm).graph, kernels.active().ops.cache_attention.default)) == 1
 
 
 @needs_kernel

@@ -127,13 +127,16 @@ def test_a_seedless_correction_is_all_masks_and_hit_by_any_correction_at_its_pos
     assert out.carry["valid"].tolist() == [0]
 
 
-def test_likelihood_policy_ranks_branches_by_the_drafters_probabilities():
-    m = RecGuide(block=4, policy="likelihood")
+def ranked_example(m: RecGuide):
+    """`m.candidates` on one 4-block with hand-made draft probabilities (d2 the risky one)."""
     prob = torch.tensor([[0.9, 0.45, 0.9, 0.8]])
     alt_prob = torch.tensor([[0.01, 0.40, 0.02, 0.05]])
     margin = torch.tensor([[0.8, 0.05, 0.8, 0.7]])
-    idx, cont, wanted, c = m.candidates(FakeStep([], 4), torch.tensor([4]), margin, prob,
-                                        alt_prob, torch.tensor([1]))
+    return m.candidates(FakeStep([], 4), torch.tensor([4]), margin, prob, alt_prob, torch.tensor([1]))
+
+
+def test_likelihood_policy_ranks_branches_by_the_drafters_probabilities():
+    idx, cont, wanted, c = ranked_example(RecGuide(block=4, policy="likelihood"))
     # correction at d2: 1 · 0.40 = 0.40; continuation: 0.45 · 0.9 · 0.8 = 0.324;
     # correction at d3: 0.45 · 0.02 = 0.009 (d1 is exact in fastspec's convention: never a branch)
     assert cont[0].tolist() == [False, True, False]
@@ -144,12 +147,7 @@ def test_likelihood_policy_ranks_branches_by_the_drafters_probabilities():
 def test_likelihood_policy_with_more_slots_takes_the_next_most_likely_candidates():
     """slots=5 on the example above: its three candidates (d2, cont, d3; d1 is exact and the
     last draft has no correction branch), then two unwanted slots, pointing inside the block."""
-    m = RecGuide(block=4, policy="likelihood", slots=5, branches=5)
-    prob = torch.tensor([[0.9, 0.45, 0.9, 0.8]])
-    alt_prob = torch.tensor([[0.01, 0.40, 0.02, 0.05]])
-    margin = torch.tensor([[0.8, 0.05, 0.8, 0.7]])
-    idx, cont, wanted, _ = m.candidates(FakeStep([], 4), torch.tensor([4]), margin, prob,
-                                        alt_prob, torch.tensor([1]))
+    idx, cont, wanted, _ = ranked_example(RecGuide(block=4, policy="likelihood", slots=5, branches=5))
     assert cont[0].tolist() == [False, True, False, False, False]
     assert idx[0].tolist()[:3] == [1, 0, 2] and wanted[0].tolist() == [True, True, True, False, False]
     assert all(0 <= i < 4 for i in idx[0].tolist())
