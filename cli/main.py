@@ -58,12 +58,17 @@ def recguide_options(fn):
     spec's own brackets win: --method 'linear,recguide[corr=1;cont=0],recguide'."""
     opts = [
         click.option("--branches", default=None, help="RecGuide branch slots: gate (the cost gate "
-                     "picks per round, default) or a fixed count 0..3."),
+                     "picks per round, default) or a fixed count 0..3 (0..--branch-slots)."),
         click.option("--max-corrections", type=click.IntRange(0, 2), default=None,
                      help="RecGuide correction branches at most (default 2)."),
         click.option("--no-continuation", is_flag=True, help="RecGuide: no continuation branch."),
         click.option("--branch-policy", type=click.Choice(["reference", "likelihood"]), default=None,
                      help="RecGuide: which branches (the paper's risk policy, or by hit likelihood)."),
+        click.option("--branch-slots", type=click.IntRange(1, 6), default=None,
+                     help="RecGuide, likelihood policy: candidates (and branch slots at most) per row (3)."),
+        click.option("--correction-seed", type=click.Choice(["guess", "mask", "mix"]), default=None,
+                     help="RecGuide: correction branches start from the alternative token (guess), a "
+                          "MASK (seedless), or either per candidate (mix; likelihood policy)."),
         click.option("--risk-threshold", type=click.FloatRange(0, 1), default=None,
                      help="RecGuide: a draft position is risky when 1 − (p1 − p2) exceeds this (0.5)."),
         click.option("--adaptive-blocks", default=None,
@@ -82,8 +87,8 @@ def recguide_options(fn):
 
 
 def with_recguide_options(methods: str, model: str, branches=None, max_corrections=None,
-                          no_continuation=False, branch_policy=None, risk_threshold=None,
-                          adaptive_blocks=None, tables=None, no_signal=False, no_stratum=False,
+                          no_continuation=False, branch_policy=None, branch_slots=None,
+                          correction_seed=None, risk_threshold=None, adaptive_blocks=None, tables=None, no_signal=False, no_stratum=False,
                           no_bucketing=False) -> str:
     """Fold the RecGuide flags into every `recguide` of the --method list as bracket options."""
     from fastspec.evals.runner import split_methods
@@ -97,6 +102,10 @@ def with_recguide_options(methods: str, model: str, branches=None, max_correctio
         opts["cont"] = 0
     if branch_policy:
         opts["policy"] = branch_policy
+    if branch_slots is not None:
+        opts["slots"] = branch_slots
+    if correction_seed:
+        opts["seed"] = correction_seed
     if risk_threshold is not None:
         opts["t"] = risk_threshold
     if adaptive_blocks:

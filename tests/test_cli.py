@@ -247,6 +247,16 @@ def test_recguide_flags_fold_into_the_method_spec_and_a_tables_path_keeps_its_sl
         get_method(recguide)          # an empty JSON is not a survival table: a clear error
 
 
+def test_branch_slot_and_correction_seed_flags_build_a_mixed_recguide():
+    from fastspec.cli.main import with_recguide_options
+    from fastspec.methods import get_method
+    spec = with_recguide_options("recguide", "tiny-random", branch_policy="likelihood",
+                                 branch_slots=5, correction_seed="mix")
+    m = get_method(spec)
+    assert (m.policy, m.n_cand, m.seed) == ("likelihood", 5, "mix")
+    assert "mixed" in m.key_name() and "slots=5" in m.key_name()
+
+
 def test_bench_runs_the_dflash_drafted_methods_from_a_dflash_folder(tmp_path, adapter_dir):
     """--dflash DIR loads a drafter in the public format; dflash and bastion[drafter=dflash] run
     on it next to LinearSS, every request identical to AR, and the run header names it."""

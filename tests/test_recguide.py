@@ -128,26 +128,29 @@ def test_a_seedless_correction_is_all_masks_and_hit_by_any_correction_at_its_pos
 
 
 def ranked_example(m: RecGuide):
-    """`m.candidates` on one 4-block with hand-made draft probabilities (d2 the risky one)."""
+    """`m.candidates` on one 4-block with hand-made draft probabilities (d2 the risky one); the
+    second-best alternatives have probabilities 0.005, 0.10, 0.01, 0.02."""
     prob = torch.tensor([[0.9, 0.45, 0.9, 0.8]])
-    alt_prob = torch.tensor([[0.01, 0.40, 0.02, 0.05]])
+    alt_prob = torch.tensor([[[0.01, 0.005], [0.40, 0.10], [0.02, 0.01], [0.05, 0.02]]])
+    alt_prob = alt_prob[..., :m.n_alts]
     margin = torch.tensor([[0.8, 0.05, 0.8, 0.7]])
     return m.candidates(FakeStep([], 4), torch.tensor([4]), margin, prob, alt_prob, torch.tensor([1]))
 
 
 def test_likelihood_policy_ranks_branches_by_the_drafters_probabilities():
-    idx, cont, wanted, c = ranked_example(RecGuide(block=4, policy="likelihood"))
+    idx, rank, cont, seedless, wanted, c = ranked_example(RecGuide(block=4, policy="likelihood"))
     # correction at d2: 1 · 0.40 = 0.40; continuation: 0.45 · 0.9 · 0.8 = 0.324;
     # correction at d3: 0.45 · 0.02 = 0.009 (d1 is exact in fastspec's convention: never a branch)
     assert cont[0].tolist() == [False, True, False]
     assert idx[0, 0].item() == 1 and idx[0, 2].item() == 2
-    assert wanted[0].tolist() == [True, True, True]
+    assert wanted[0].tolist() == [True, True, True] and not seedless.any() and not rank.any()
 
 
 def test_likelihood_policy_with_more_slots_takes_the_next_most_likely_candidates():
     """slots=5 on the example above: its three candidates (d2, cont, d3; d1 is exact and the
     last draft has no correction branch), then two unwanted slots, pointing inside the block."""
-    idx, cont, wanted, _ = ranked_example(RecGuide(block=4, policy="likelihood", slots=5, branches=5))
+    idx, _, cont, _, wanted, _ = ranked_example(RecGuide(block=4, policy="likelihood", slots=5,
+                                                      branches=5))
     assert cont[0].tolist() == [False, True, False, False, False]
     assert idx[0].tolist()[:3] == [1, 0, 2] and wanted[0].tolist() == [True, True, True, False, False]
     assert all(0 <= i < 4 for i in idx[0].tolist())
@@ -155,6 +158,79 @@ def test_likelihood_policy_with_more_slots_takes_the_next_most_likely_candidates
         RecGuide(slots=5)                        # the reference policy has its three
     with pytest.raises(FastspecError, match="slots must be"):
         RecGuide(policy="likelihood", slots=7)
+
+
+def test_mixed_policy_adds_seedless_corrections_for_the_outcomes_the_guess_misses():
+    """seed=mix on the example above, 5 slots: guessed d2 0.40; continuation 0.324; seedless d2
+    1 · (1 − 0.45 − 0.40) · 0.8 = 0.12; seedless d3 0.45 · (1 − 0.9 − 0.02) · 0.8 = 0.0288;
+    guessed d3 0.45 · 0.02 = 0.009 (d4 guesses the bonus: no correction there)."""
+    m = RecGuide(block=4, policy="likelihood", seed="mix", slots=5, branches=5)
+    idx, rank, cont, seedless, wanted, _ = ranked_example(m)
+    assert cont[0].tolist() == [False, True, False, False, False]
+    assert idx[0].tolist() == [1, 0, 1, 2, 2]
+    assert seedless[0].tolist() == [False, False, True, True, False]
+    assert wanted[0].all() and not rank.any()
+    with pytest.raises(FastspecError, match="policy=likelihood"):
+        RecGuide(seed="mix")
+
+
+def test_more_alternatives_rank_the_next_best_guesses_as_their_own_candidates():
+    """alts=2, 4 slots: guessed d2 0.40; continuation 0.324; d2's second alternative 0.10;
+    guessed d3 0.009 (d3's second, 0.0045, is fifth); with mix the seedless d2 (1 − 0.45 − 0.50)
+    · 0.8 = 0.04 comes before guessed d3."""
+    idx, rank, cont, seedless, _, _ = ranked_example(
+        RecGuide(block=4, policy="likelihood", alts=2, slots=4, branches=4))
+    assert cont[0].tolist() == [False, True, False, False]
+    assert idx[0].tolist() == [1, 0, 1, 2] and rank[0].tolist() == [0, 0, 1, 0]
+    assert not seedless.any()
+    idx, rank, cont, seedless, _, _ = ranked_example(
+        RecGuide(block=4, policy="likelihood", alts=2, seed="mix", slots=4, branches=4))
+    assert idx[0].tolist() == [1, 0, 1, 1] and rank[0].tolist() == [0, 0, 1, 0]
+    assert seedless[0].tolist() == [False, False, False, True]
+    with pytest.raises(FastspecError, match="alts"):
+        RecGuide(alts=2)                         # the reference policy guesses one alternative
+
+
+def test_a_second_alternative_hits_when_the_verifier_emits_it():
+    """alts=2, 3 slots [guessed d2 (alt 6), continuation, d2's second alternative (4)]."""
+    m = RecGuide(block=4, policy="likelihood", alts=2, slots=3, branches=3)
+    m.eos_ids = (EOS,)
+    draft = DRAFT.clone()
+    draft[0, 1] = logits_from({5: 0.45, 6: 0.40, 4: 0.10})
+    branches = [branch_logits([2, 4, 8, 0]), branch_logits([1, 2, 3, 4]), branch_logits([7, 7, 7, 7])]
+    step = FakeStep([draft, torch.cat([target(3, 4, 0, 0)] + branches, 1)], 4)   # emits 4
+    out = m.round(step, torch.tensor([4]), torch.tensor([4]), {}, "draft3")
+    assert step.calls[1]["ids"][0, 8:].tolist() == [1, MASK, MASK, MASK, 4, MASK, MASK, MASK]
+    assert step.calls[1]["rel"][0, 12:].tolist() == [2, 3, 4, 5]
+    assert out.host[0, H_COVERED:H_COVERED + 3].tolist() == [0, 0, 1]
+    assert out.carry["drafts"].tolist() == [[7, 7, 7, 7]]
+    assert out.carry["alt"].shape == (1, 4, 2)
+
+
+def run_mixed_round(verify_targets):
+    """One mixed round, 3 slots laid out: [guessed d2 (alt 6), continuation, seedless d2]."""
+    m = RecGuide(block=4, policy="likelihood", seed="mix", slots=3, branches=3)
+    m.eos_ids = (EOS,)
+    branches = [branch_logits([2, 4, 8, 0]), branch_logits([1, 2, 3, 4]), branch_logits([9, 9, 9, 9])]
+    step = FakeStep([DRAFT, torch.cat([verify_targets] + branches, 1)], 4)
+    out = m.round(step, torch.tensor([4]), torch.tensor([4]), {}, "draft3")
+    return step, out
+
+
+def test_a_guessed_correction_wins_over_the_seedless_one_at_its_position():
+    step, out = run_mixed_round(target(3, 6, 0, 0))                  # emits 6 = alt_2
+    M = MASK
+    assert step.calls[1]["ids"].tolist() == [[4, 3, 5, 7,  6, M, M, M,  1, M, M, M,  M, M, M, M]]
+    assert step.calls[1]["adapter"].int().tolist() == \
+        [[0, 0, 0, 0,  0, 1, 1, 1,  0, 1, 1, 1,  1, 1, 1, 1]]
+    assert out.host[0, H_COVERED:H_COVERED + 3].tolist() == [1, 0, 0]
+    assert out.carry["drafts"].tolist() == [[2, 4, 8, 0]]           # the guessed branch's
+
+
+def test_the_seedless_correction_covers_what_the_guess_missed():
+    _, out = run_mixed_round(target(3, 8, 0, 0))                     # emits 8, not alt_2
+    assert out.host[0, H_COVERED:H_COVERED + 3].tolist() == [0, 0, 1]
+    assert out.host[0, H_HIT].item() == 1 and out.carry["drafts"].tolist() == [[9, 9, 9, 9]]
 
 
 # --- on a model ---------------------------------------------------------------------------
@@ -221,8 +297,9 @@ def test_greedy_seedless_recguide_equals_ar(drafter, convention, concurrency):
         ps = prompts(6, seed=20 + concurrency)
         params = SamplingParams(max_new_tokens=24, ignore_eos=True)
         ar = engine.generate(ps, params, method="ar", concurrency=concurrency)
-        for policy in ("reference", "likelihood"):
-            m = RecGuide(block=8, branches=3, policy=policy, seed="mask")
+        for policy, seed, alts in (("reference", "mask", 1), ("likelihood", "mask", 1),
+                                   ("likelihood", "mix", 2)):
+            m = RecGuide(block=8, branches=3, policy=policy, seed=seed, alts=alts)
             out = engine.generate(ps, params, method=m, concurrency=concurrency)
             assert [c.token_ids for c in out] == [c.token_ids for c in ar]
     finally:

@@ -39,6 +39,19 @@ whenever the first rejection is at p, whatever the verifier emitted; the next ro
 `[emitted, d1' ..]`. Coverage no longer waits on the alternative token being right, at the price
 of drafts that did not see the correction (shifted: d1' is a guess, not exact). The likelihood
 policy scores such a branch by P(first rejection at p) ≈ Π_{i<p} q(d_i) · (1 − q(d_p)).
+
+Mixed corrections (`recguide[policy=likelihood;seed=mix]`, same adapter): the candidates are the
+guessed correction and the seedless one at every position, and the continuation; a seedless
+candidate at p is scored by the outcomes the guess misses, Π_{i<p} q(d_i) · (1 − q(d_p) − q(alt_p)),
+times SEEDLESS_VALUE (its round's τ against a guessed one's). When both cover an outcome (the
+verifier emitted alt_p), the guessed branch's drafts are the ones carried:
+
+    d2 rejected, verifier emits alt_2:      slots [g2, m2, cont] -> g2 covers, m2 too -> carry g2
+    d2 rejected, verifier emits another x:  slots [g2, m2, cont] -> m2 covers         -> carry m2
+
+More alternatives (`recguide[policy=likelihood;alts=K]`, K ≤ 3): the guessed corrections at p
+are the drafter's K best tokens other than d_p, each its own candidate, scored
+Π_{i<p} q(d_i) · q(alt_p^(r)); a hit carries drafts that saw the correction, as with the first.
 """
 from __future__ import annotations
 
@@ -60,6 +73,10 @@ CORR1, CORR2, CONT = 0, 1, 2    # branch kinds, in the reference policy's order
 # hit, branch slots laid out, then covered by candidate 0, 1, ... (one column per candidate).
 H_RISKY, H_WANTED, H_HIT, H_SLOTS, H_COVERED = 0, 1, 2, 3, 4
 MAX_SLOTS = 6                   # branch slots the likelihood policy may lay out (`slots=`)
+# A seedless hit's next round against a guessed one's, in τ (3 branches, first 6 GSM8K prompts:
+# τ 2.65 after seedless hits vs 3.35, results/recguide_seedless_gsm8k.json).
+SEEDLESS_VALUE = 0.8
+MAX_ALTS = 3                    # guessed alternatives per draft position (`alts=`)
 
 
 def overlap_layout(step, verify_ids, blocks, anchors, firsts, seeded):
@@ -94,18 +111,19 @@ def overlap_layout(step, verify_ids, blocks, anchors, firsts, seeded):
             torch.cat(rel, 1))
 
 
-def alternatives(logits: torch.Tensor, drafts: torch.Tensor, eos_ids=()):
+def alternatives(logits: torch.Tensor, drafts: torch.Tensor, eos_ids=(), k: int | None = None):
     """[S, n] the draft's best token other than its own draft, MASK (already -inf) and EOS,
-    and the drafter's probability of it."""
+    and the drafter's probability of it; with k, the k best such tokens, [S, n, k], best first."""
     logits = logits.float()
     # One elementwise mask (fuses into the argmax; a scatter into a copy of the logits does not).
     vocab = torch.arange(logits.shape[-1], device=logits.device)
     banned = vocab == drafts[..., None]
     for e in eos_ids:
         banned = banned | (vocab == e)
-    alt = logits.masked_fill(banned, float("-inf")).argmax(-1)
-    p_alt = (logits.gather(-1, alt[..., None])[..., 0] - logits.logsumexp(-1)).exp()
-    return alt, p_alt
+    allowed = logits.masked_fill(banned, float("-inf"))
+    alt = allowed.argmax(-1, keepdim=True) if k is None else allowed.topk(k, dim=-1).indices
+    p_alt = (logits.gather(-1, alt) - logits.logsumexp(-1, keepdim=True)).exp()
+    return (alt[..., 0], p_alt[..., 0]) if k is None else (alt, p_alt)
 
 
 class RecGuide(LinearSS):
@@ -119,16 +137,19 @@ class RecGuide(LinearSS):
                  policy: str = "reference", blocks: tuple[int, ...] | None = None,
                  tables: SurvivalTables | str | None = None, objective: str = "ratio", rho: float = 0.0,
                  use_signal: bool = True, use_stratum: bool = True, bucketing: bool = True,
-                 seed: str = "guess", slots: int = 3):
+                 seed: str = "guess", slots: int = 3, alts: int = 1):
         """block: the (starting) block size. blocks: the set each request chooses from per round
         (None: `block` only, fixed). tables: survival tables (None: a geometric cold start from
         the history signal). branches: "gate" (the cost gate picks the slot count each round) or
         a fixed count. prior_hits: the hit rate assumed for a slot before any round is observed.
         use_signal / use_stratum / bucketing: the ablation steps of the adaptive block size.
-        seed: how a correction branch starts: "guess" (the alternative token, the paper's) or
-        "mask" (seedless: hit by any correction at its position; see the module doc).
+        seed: how a correction branch starts: "guess" (the alternative token, the paper's),
+        "mask" (seedless: hit by any correction at its position) or "mix" (either, per candidate,
+        with the likelihood policy; see the module doc).
         slots: under the likelihood policy, how many candidates (and so branch slots at most) a
-        row gets, 1..6; the reference policy always has its three (corr1, corr2, cont)."""
+        row gets, 1..6; the reference policy always has its three (corr1, corr2, cont).
+        alts: guessed corrections per position, the drafter's alts best alternatives (likelihood
+        policy, 1..3)."""
         super().__init__(block)
         blocks = (blocks,) if isinstance(blocks, int) else blocks
         self.blocks = tuple(sorted(set(blocks or (block,))))
@@ -147,8 +168,16 @@ class RecGuide(LinearSS):
             raise FastspecError(f"--branch-policy must be reference or likelihood, got {policy!r}")
         if objective not in ("ratio", "penalty"):
             raise FastspecError(f"--block-objective must be ratio or penalty, got {objective!r}")
-        if seed not in ("guess", "mask"):
-            raise FastspecError(f"recguide: seed must be guess or mask, got {seed!r}")
+        if seed not in ("guess", "mask", "mix"):
+            raise FastspecError(f"recguide: seed must be guess, mask or mix, got {seed!r}")
+        if seed == "mix" and policy != "likelihood":
+            raise FastspecError("recguide: seed=mix ranks guessed and seedless corrections by "
+                                "likelihood; it needs policy=likelihood")
+        self.seed = seed
+        if not 1 <= alts <= MAX_ALTS or (alts > 1 and policy != "likelihood"):
+            raise FastspecError(f"recguide: alts must be 1..{MAX_ALTS}, and above 1 needs "
+                                f"policy=likelihood, got {alts}")
+        self.n_alts = alts
         self.seedless_corrections = seed == "mask"
         self.policy = policy
         self.threshold = threshold
@@ -179,8 +208,10 @@ class RecGuide(LinearSS):
     def key_name(self) -> str:
         return (f"recguide({self.policy},t={self.threshold},corr={self.max_corrections},"
                 f"cont={int(self.continuation)},blocks={'/'.join(map(str, self.blocks))},"
-                f"bucketing={int(self.bucketing)}{',seedless' if self.seedless_corrections else ''}"
-                f"{f',slots={self.n_cand}' if self.n_cand != 3 else ''})")
+                f"bucketing={int(self.bucketing)}"
+                f"{({'mask': ',seedless', 'mix': ',mixed'}).get(self.seed, '')}"
+                f"{f',slots={self.n_cand}' if self.n_cand != 3 else ''}"
+                f"{f',alts={self.n_alts}' if self.n_alts != 1 else ''})")
 
     def begin(self, run) -> None:
         if run is not None:
@@ -229,8 +260,8 @@ class RecGuide(LinearSS):
         n = self.max_block()
         spec = {"valid": CarrySpec(()), "drafts": CarrySpec((n,)),
                 "prob": CarrySpec((n,), torch.float32), "conf": CarrySpec((n,), torch.float32),
-                "margin": CarrySpec((n,), torch.float32), "alt": CarrySpec((n,)),
-                "alt_prob": CarrySpec((n,), torch.float32)}
+                "margin": CarrySpec((n,), torch.float32), "alt": CarrySpec((n, self.n_alts)),
+                "alt_prob": CarrySpec((n, self.n_alts), torch.float32)}
         if sampled:
             spec["logp"] = CarrySpec((n, vocab_size), torch.float32)
         return spec
@@ -372,19 +403,19 @@ class RecGuide(LinearSS):
         # ordinary seeded draft. An unshifted one starts from a MASK whose in-place draft is the
         # guess.
         bonus_guess = drafts.gather(1, (blocks - 1)[:, None])[:, 0]
-        slot_idx, slot_cont, wanted, c = self.candidates(step, blocks, margin, prob, alt_prob,
-                                                         bonus_guess)
+        slot_idx, slot_rank, slot_cont, slot_seedless, wanted, c = self.candidates(
+            step, blocks, margin, prob, alt_prob, bonus_guess)
+        slot_alt = alt[rows[:, None], slot_idx, slot_rank]          # [S, K] a guess's first token
         mask_tok = torch.full_like(bonus_guess, step.mask_token_id)
         cont_first = bonus_guess if step.convention.shift else mask_tok
-        corr_seeded = not self.seedless_corrections   # a Python flag: fixed at trace time
         anchors, firsts, seeded = [], [], []
         for j in range(k_slots):
-            idx, cont = slot_idx[:, j], slot_cont[:, j]
+            idx, cont, seedless = slot_idx[:, j], slot_cont[:, j], slot_seedless[:, j]
             anchors.append(torch.where(cont, blocks, idx + 1))
-            corr_first = alt[rows, idx] if corr_seeded else mask_tok
-            firsts.append(torch.where(cont, cont_first, corr_first))
+            firsts.append(torch.where(cont, cont_first,
+                                      torch.where(seedless, mask_tok, slot_alt[:, j])))
             seeded.append(torch.where(cont, torch.full_like(cont, step.convention.shift),
-                                      torch.full_like(cont, corr_seeded)))
+                                      ~seedless))
         verify_ids = torch.cat([pending[:, None], drafts[:, : n - 1]], dim=1)
         if k_slots == 0:
             target_logits = step.forward(verify_ids, causal_block(n, dev))
@@ -403,9 +434,15 @@ class RecGuide(LinearSS):
         full = accepted >= blocks - 1
         cont_ok = full & (out_tok == bonus_guess) if step.convention.shift else full
         corr_ok = (accepted[:, None] == slot_idx) & ~full[:, None]
-        if corr_seeded:
-            corr_ok = corr_ok & (out_tok[:, None] == alt.gather(1, slot_idx))
+        corr_ok = corr_ok & (slot_seedless | (out_tok[:, None] == slot_alt))
         covers = torch.where(slot_cont, cont_ok[:, None], corr_ok) & wanted      # [S, K]
+        # A guessed branch (or the continuation) that covers the outcome wins over a seedless one:
+        # counterfactually over all candidates (the host's hit rates), and among the laid-out slots
+        # for what is carried.
+        exact = covers & ~slot_seedless
+        laid = torch.arange(covers.shape[1], device=dev)[None, :] < k_slots
+        carried = covers & (~slot_seedless | ~(exact & laid).any(-1, keepdim=True))
+        covers = covers & (~slot_seedless | ~exact.any(-1, keepdim=True))
 
         new = {"valid": torch.zeros_like(pending), "drafts": drafts, "prob": prob, "conf": conf,
                "margin": margin, "alt": alt, "alt_prob": alt_prob}
@@ -414,7 +451,7 @@ class RecGuide(LinearSS):
         for j in range(k_slots):
             blk = logits_all[:, n * (j + 1): n * (j + 2)]
             b_al = aligned_draft_logits(step.convention, blk, step.mask_token_id)
-            cover = covers[:, j]
+            cover = carried[:, j]
             if not step.convention.shift:    # unshifted: the continuation guessed the bonus
                 guess = aligned_bonus_guess(blk, step.mask_token_id)
                 cover = cover & (~slot_cont[:, j] | (guess == out_tok))
@@ -431,8 +468,8 @@ class RecGuide(LinearSS):
             new["conf"] = torch.where(take, b_conf, new["conf"])
             new["margin"] = torch.where(take, b_margin, new["margin"])
             b_alt, b_alt_prob = self.alternatives(b_al, b_drafts)
-            new["alt"] = torch.where(take, b_alt, new["alt"])
-            new["alt_prob"] = torch.where(take, b_alt_prob, new["alt_prob"])
+            new["alt"] = torch.where(take[..., None], b_alt, new["alt"])
+            new["alt_prob"] = torch.where(take[..., None], b_alt_prob, new["alt_prob"])
             if b_logp is not None:
                 new["logp"] = torch.where(take[..., None], b_logp, new["logp"])
         host = torch.cat([c[:, None], wanted.long().sum(-1, keepdim=True), new["valid"][:, None],
@@ -444,17 +481,20 @@ class RecGuide(LinearSS):
         return RoundOutput(emitted, n_emitted, accepted, prob, conf, margin, carry=new, host=host)
 
     def alternatives(self, logits: torch.Tensor, drafts: torch.Tensor):
-        return alternatives(logits, drafts, self.eos_ids)
+        """[S, n, alts] the best tokens other than the draft, and their probabilities."""
+        return alternatives(logits, drafts, self.eos_ids, k=self.n_alts)
 
     def candidates(self, step, blocks, margin, prob, alt_prob, bonus_guess):
         """Up to K = n_cand branches per row in slot order: (aligned index [S, K] of the draft a
-        correction replaces, is-continuation [S, K], wanted [S, K]) and the risky count c [S].
+        correction replaces, which alternative it starts from [S, K], is-continuation [S, K],
+        is-seedless [S, K], wanted [S, K]) and the risky count c [S].
 
         reference: risky = 1 − margin > threshold; by c: 0 -> [cont], 1 -> [corr1, cont],
         2 -> [corr1, corr2, cont], >= 3 -> [corr1, corr2] (earliest risky first).
         likelihood: the K candidates most likely to be hit, by the drafter's own probabilities:
         a correction of d_p is hit with P ≈ Π_{i<p} q(d_i) · q(alt_p) (seedless: · (1 − q(d_p))),
-        the continuation with Π_{i<b} q(d_i) · q(bonus guess)."""
+        the continuation with Π_{i<b} q(d_i) · q(bonus guess); alts > 1 adds the next-best
+        alternatives at every position, seed=mix the seedless corrections (module doc)."""
         S, n = margin.shape
         dev = margin.device
         conv = step.convention
@@ -467,22 +507,35 @@ class RecGuide(LinearSS):
         if self.policy == "likelihood":
             q = torch.where(judged, prob, torch.ones_like(prob))
             before = torch.cumprod(torch.cat([torch.ones_like(q[:, :1]), q[:, :-1]], 1), 1)
-            hit_given_reject = (1 - prob) if self.seedless_corrections else alt_prob
-            corr_score = torch.where(judged, before * hit_given_reject, torch.full_like(prob, -1.0))
-            if self.max_corrections == 0:
-                corr_score = torch.full_like(corr_score, -1.0)
+            unwanted = torch.full_like(prob, -1.0)
+            corr_ok = judged if self.max_corrections > 0 else torch.zeros_like(judged)
+            score_of = lambda hit_given_reject: torch.where(corr_ok, before * hit_given_reject,  # noqa: E731
+                                                            unwanted)
+            if self.seedless_corrections:
+                parts = [score_of(1 - prob)]
+            else:
+                parts = [score_of(alt_prob[..., r]) for r in range(self.n_alts)]
+            n_guessed = 0 if self.seedless_corrections else self.n_alts * n   # guessed columns
+            if self.seed == "mix":      # seedless at p: the outcomes the guesses at p miss
+                parts.append(score_of((1 - prob - alt_prob.sum(-1)).clamp_min(0) * SEEDLESS_VALUE))
             all_acc = before.gather(1, (blocks - 1)[:, None])               # every draft accepted
             g = prob.gather(1, (blocks - 1)[:, None]) if conv.shift else torch.ones_like(all_acc)
             # A Python flag, not a tensor: nothing is copied from the host inside a captured step.
             cont_score = all_acc * g if self.continuation else torch.full_like(all_acc, -1.0)
-            score = torch.cat([corr_score, cont_score], 1)                 # [S, n + 1]
-            if self.n_cand > n + 1:                  # fewer positions than candidates: unwanted
-                score = torch.cat([score, score.new_full((S, self.n_cand - n - 1), -1.0)], 1)
+            score = torch.cat(parts + [cont_score], 1)              # [S, (alts + mix) · n + 1]
+            width = score.shape[1]
+            if self.n_cand > width:                  # fewer positions than candidates: unwanted
+                score = torch.cat([score, score.new_full((S, self.n_cand - width), -1.0)], 1)
             top = score.topk(self.n_cand, dim=-1)
-            cont = top.indices == n
-            # (the continuation and padding columns index no draft: point them at draft 0)
-            idx = torch.where(top.indices >= n, torch.zeros_like(top.indices), top.indices)
-            return idx, cont, top.values >= 0, c
+            col = top.indices
+            # Worked example, n = 4, alts = 2, mix: columns
+            #   [g0 g1 g2 g3 | g0' g1' g2' g3' | m0 m1 m2 m3 | cont]   (' = second alternative)
+            # column 5 -> draft 1's second alternative; column 10 -> draft 2's seedless branch.
+            # (The continuation and padding columns index no draft: they point at draft 0.)
+            corr = col < width - 1
+            idx = torch.where(corr, col % n, torch.zeros_like(col))
+            rank = torch.where(col < n_guessed, col // n, torch.zeros_like(col))
+            return idx, rank, col == width - 1, corr & (col >= n_guessed), top.values >= 0, c
         rank = risky.long().cumsum(-1)
         idx1 = ((rank == 1) & risky).long().argmax(-1)              # aligned index of 1st risky
         idx2 = ((rank == 2) & risky).long().argmax(-1)
@@ -493,7 +546,9 @@ class RecGuide(LinearSS):
         kinds = torch.stack([((order == j + 1) & by_kind).long().argmax(-1) for j in range(3)], 1)
         idx = torch.where(kinds == CORR1, idx1[:, None], idx2[:, None])
         wanted = by_kind.long().sum(-1, keepdim=True) > torch.arange(3, device=dev)[None, :]
-        return idx, kinds == CONT, wanted, c
+        cont = kinds == CONT
+        return (idx, torch.zeros_like(idx), cont,
+                torch.full_like(cont, self.seedless_corrections) & ~cont, wanted, c)
 
     overlap_layout = staticmethod(overlap_layout)     # shared with TiDAR (fastspec/methods/tidar.py)
 
