@@ -73,8 +73,10 @@ CORR1, CORR2, CONT = 0, 1, 2    # branch kinds, in the reference policy's order
 # hit, branch slots laid out, then covered by candidate 0, 1, ... (one column per candidate).
 H_RISKY, H_WANTED, H_HIT, H_SLOTS, H_COVERED = 0, 1, 2, 3, 4
 MAX_SLOTS = 6                   # branch slots the likelihood policy may lay out (`slots=`)
-# A seedless hit's next round against a guessed one's, in τ (3 branches, first 6 GSM8K prompts:
-# τ 2.65 after seedless hits vs 3.35, results/recguide_seedless_gsm8k.json).
+# A seedless hit's worth against a guessed one's: the round it feeds starts from a guessed first
+# draft. (Whole runs with seedless branches: τ 2.65 vs 3.35, results/recguide_seedless_gsm8k.json;
+# the fed rounds alone are lower, ≈ 1.7 vs 3.3 in results/recguide_mix_gsm8k20.json, so with
+# scarce slots a guessed candidate should usually come first.)
 SEEDLESS_VALUE = 0.8
 MAX_ALTS = 3                    # guessed alternatives per draft position (`alts=`)
 
