@@ -4,16 +4,20 @@ The StepRunner (graphs/runner.py) compiles every step with `_skinny_backend(_pac
   * a small FX pass swaps every F.linear whose weight is a big base-model weight (wqkv, wo,
     w_gate_up, w_down, the LM head: fastspec/weights.py big_linear_weights) for the active kernel's
     `skinny_linear` on a copy of that weight packed into column panels (graphs/kernels.py) at the
-    model's weight precision (fp32, bf16, or int8 + per-output scales); everything else (norms,
-    RoPE, LoRA linears, embedding) is left to inductor, which fuses the pointwise work;
+    model's weight precision (fp32, bf16, or int8 + per-output scales), and likewise every F.linear
+    on the draft adapter's fused inference LoRA (A and B, always fp32: aten's mm costs ~25 us a
+    call on these shapes, 120 calls a draft forward); everything else (norms, RoPE, embedding)
+    is left to inductor, which fuses the pointwise work;
   * attention over the cache (traced as kernels.attention_op, fastspec/model/llama.py) becomes the
     kernel's `cache_attention`, which reads each row's slot in place (no gathered K/V copy);
   * K/V-cache writes become an in-place op that touches only the new columns;
   * inductor compiles the result (its FX-graph cache lives under $FASTSPEC_CACHE/inductor).
 
 The packed copies are a snapshot taken when the runner first compiles (+1x, 1/2x or 1/4x the
-fp32 weight memory): a runner must be rebuilt if base weights change. Draft-adapter weights
-(LoRA, MASK embedding) are not packed, so training them keeps the compiled step consistent.
+fp32 weight memory): a runner must be rebuilt if base weights change. Of the draft adapter only
+the fused inference LoRA is packed (a snapshot itself: `fuse_adapter` builds new tensors, which
+the pass then leaves to inductor, so a re-fused adapter is never read stale); the trainable
+per-target LoRAs and the MASK embedding are not, so training keeps the compiled step consistent.
 Without a kernel for this CPU (kernels.active() is None: one warning line) the pass packs nothing
 and the step is plain inductor.
 """
@@ -28,15 +32,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastspec.graphs import kernels
+from fastspec.model.llama import FusedLoRA
 from fastspec.weights import big_linear_weights, weight_precision
 
 
 @dataclass(frozen=True)
 class Packed:
-    """One packed weight: panels (fp32 / bf16 / int8), int8 scales (else None), out features."""
+    """One packed weight: panels (fp32 / bf16 / int8), int8 scales (else None), out features,
+    and the weight it packs (held, so that its id is never another tensor's)."""
     panels: torch.Tensor
     scales: torch.Tensor | None
     out_features: int
+    source: torch.Tensor | None = None
 
 
 def setup_inductor_cache() -> None:
@@ -61,7 +68,13 @@ def _pack_model(model: nn.Module, kernel: "kernels.Kernel") -> dict[int, Packed]
     for name, p in big_linear_weights(model):
         if p.dim() == 2 and p.dtype == torch.float32 and p.device.type == "cpu":
             panels, s = kernel.pack(p, precision, scales.get(name) if precision == "int8" else None)
-            packed[id(p)] = Packed(panels, s, p.shape[0])
+            packed[id(p)] = Packed(panels, s, p.shape[0], p)
+    for module in model.modules():
+        if isinstance(module, FusedLoRA):
+            for w in (module.A, module.B):
+                if w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu":
+                    panels, _ = kernel.pack(w, "fp32")
+                    packed[id(w)] = Packed(panels, None, w.shape[0], w)
     return packed
 
 
@@ -223,7 +236,11 @@ def _skinny_backend(packed: dict[int, Packed], kernel: "kernels.Kernel | None" =
             return node
 
         def packed_for(w) -> Packed | None:
-            return packed.get(id(weight_of(w))) if kernel is not None else None
+            if kernel is None:
+                return None
+            t = weight_of(w)
+            pw = packed.get(id(t))
+            return pw if pw is not None and (pw.source is None or pw.source is t) else None
 
         def packed_inputs(pw: Packed) -> tuple[torch.fx.Node, torch.fx.Node | None]:
             key = id(pw)

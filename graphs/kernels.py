@@ -321,9 +321,12 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed,
 // every row's K/V, which a layer otherwise pays before SDPA):
 //   out[b, n, h*D:(h+1)*D] = sum_c p[c] V[slot_b, h/G, c],  p = softmax_c(scale q[b,n,h] . K[slot_b, h/G, c])
 // over the columns c < ctx with mask[b, n, c] (G = heads per K/V head). One task per (row b,
-// head h). Every query is computed alone with its columns in order, so a token's output does not
-// depend on the batch or on how many tokens share its forward. A query that sees no column
-// gets zeros (the engine never builds one: padded rows see their own column).
+// head h). Every query is computed alone, each sum in a fixed order of its own columns, so a
+// token's output does not depend on the batch or on how many tokens share its forward (a verify
+// row equals AR's). A query that sees no column gets zeros (the engine never builds one: padded
+// rows see their own column). Per column the work is a few vector ops: the scores' mask, max and
+// sum run over whole vectors of columns (a scalar pass costs a 4-cycle dependency per column),
+// and p @ V keeps two interleaved sums per output vector (even and odd columns) in registers.
 at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_layer, const at::Tensor& v_layer,
                            const at::Tensor& slots, const at::Tensor& mask) {
   using Vf = at::vec::Vectorized<float>;
@@ -358,6 +361,7 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_layer, const
   auto reduce = [](Vf a) { return at::vec::vec_reduce_all<float>([](Vf& x, Vf& y) { return x + y; }, a); };
   at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> p(ctx);
+    std::vector<uint32_t> seen(ctx);
     for (int64_t t = t0; t < t1; t++) {
       const int64_t b = t / H, h = t % H, slot = sp[b];
       TORCH_CHECK(slot >= 0 && slot < S, "cache_attention: slot ", slot, " outside the cache");
@@ -369,7 +373,6 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_layer, const
         float* o = op + (b * N + n) * H * D + h * D;
         // Scores, four columns at a time: four independent FMA chains hide their latency (one
         // column after another, a query spent ~40 cycles per column waiting on its chain).
-        float mx = neg_inf;
         int64_t c = 0;
         for (; c + 4 <= ctx; c += 4) {
           const float* k0 = K + c * D;
@@ -384,8 +387,7 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_layer, const
           float r[4] = {reduce(a0), reduce(a1), reduce(a2), reduce(a3)};
           for (int j = 0; j < 4; j++) {
             for (int64_t d = dv; d < D; d++) r[j] += qr[d] * k0[j * D + d];
-            p[c + j] = mr[c + j] ? r[j] * sf : neg_inf;
-            mx = std::max(mx, p[c + j]);
+            p[c + j] = r[j] * sf;
           }
         }
         for (; c < ctx; c++) {
@@ -394,41 +396,59 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_layer, const
           for (int64_t d = 0; d < dv; d += W) a0 = at::vec::fmadd(Vf::loadu(qr + d), Vf::loadu(k0 + d), a0);
           float r = reduce(a0);
           for (int64_t d = dv; d < D; d++) r += qr[d] * k0[d];
-          p[c] = mr[c] ? r * sf : neg_inf;
-          mx = std::max(mx, p[c]);
+          p[c] = r * sf;
         }
+        // The mask as a vector blend (seen[c]: all bits set where the query sees column c), the
+        // max over whole vectors (exact in any order).
+        for (c = 0; c < ctx; c++) seen[c] = mr[c] ? 0xFFFFFFFFu : 0u;
+        auto seen_at = [&](int64_t i, int64_t count) {
+          float f[W] = {};
+          std::memcpy(f, seen.data() + i, count * sizeof(float));
+          return Vf::loadu(f);
+        };
+        Vf m(neg_inf);
+        for (c = 0; c < ctx; c += W) {
+          const int64_t nc = std::min<int64_t>(W, ctx - c);
+          const Vf x = Vf::blendv(Vf(neg_inf), Vf::loadu(p.data() + c, nc), seen_at(c, nc));
+          x.store(p.data() + c, nc);
+          m = at::vec::maximum(m, x);
+        }
+        const float mx = at::vec::vec_reduce_all<float>([](Vf& x, Vf& y) { return at::vec::maximum(x, y); }, m);
         if (mx == neg_inf) {
           std::fill(o, o + D, 0.f);
           continue;
         }
-        // Weights exp(s - max), exactly 0 where masked; their sum.
-        for (c = 0; c + W <= ctx; c += W) (Vf::loadu(p.data() + c) - Vf(mx)).exp_u20().store(p.data() + c);
-        if (c < ctx) (Vf::loadu(p.data() + c, ctx - c) - Vf(mx)).exp_u20().store(p.data() + c, ctx - c);
-        float sum = 0.f;
-        for (c = 0; c < ctx; c++) {
-          p[c] = mr[c] ? p[c] : 0.f;
-          sum += p[c];
+        // Weights exp(s - max), exactly 0 where masked; their sum, lane-wise over the vectors
+        // of columns, then across lanes.
+        Vf total(0.f);
+        for (c = 0; c < ctx; c += W) {
+          const int64_t nc = std::min<int64_t>(W, ctx - c);
+          const Vf e = Vf::blendv(Vf(0.f), (Vf::loadu(p.data() + c, nc) - Vf(mx)).exp_u20(), seen_at(c, nc));
+          e.store(p.data() + c, nc);
+          total = total + e;
         }
-        // p @ V, four columns per pass over the output (one load and store of o per four).
-        std::fill(o, o + D, 0.f);
-        for (c = 0; c < ctx; c += 4) {
-          const int64_t nc = std::min<int64_t>(4, ctx - c);
-          const float w0 = p[c], w1 = nc > 1 ? p[c + 1] : 0.f, w2 = nc > 2 ? p[c + 2] : 0.f,
-                      w3 = nc > 3 ? p[c + 3] : 0.f;
-          const float* v0 = V + c * D;
-          // (a missing column repeats column c with weight 0: in bounds, adds nothing)
-          const float* v1 = nc > 1 ? v0 + D : v0;
-          const float* v2 = nc > 2 ? v0 + 2 * D : v0;
-          const float* v3 = nc > 3 ? v0 + 3 * D : v0;
-          for (int64_t d = 0; d < dv; d += W) {
-            Vf acc = Vf::loadu(o + d);
-            acc = at::vec::fmadd(Vf(w0), Vf::loadu(v0 + d), acc);
-            acc = at::vec::fmadd(Vf(w1), Vf::loadu(v1 + d), acc);
-            acc = at::vec::fmadd(Vf(w2), Vf::loadu(v2 + d), acc);
-            acc = at::vec::fmadd(Vf(w3), Vf::loadu(v3 + d), acc);
-            acc.store(o + d);
+        const float sum = reduce(total);
+        // p @ V: per output vector two sums (even and odd columns) in registers, added at the end.
+        for (int64_t d0 = 0; d0 < dv; d0 += 4 * W) {
+          const int64_t nd = std::min<int64_t>(4, (dv - d0) / W);
+          Vf e[4], od[4];
+          for (int u = 0; u < 4; u++) e[u] = od[u] = Vf(0.f);
+          for (c = 0; c + 2 <= ctx; c += 2) {
+            const Vf w0(p[c]), w1(p[c + 1]);
+            const float* v0 = V + c * D + d0;
+            for (int u = 0; u < nd; u++) {
+              e[u] = at::vec::fmadd(w0, Vf::loadu(v0 + u * W), e[u]);
+              od[u] = at::vec::fmadd(w1, Vf::loadu(v0 + D + u * W), od[u]);
+            }
           }
-          for (int64_t d = dv; d < D; d++) o[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d];
+          if (c < ctx)
+            for (int u = 0; u < nd; u++) e[u] = at::vec::fmadd(Vf(p[c]), Vf::loadu(V + c * D + d0 + u * W), e[u]);
+          for (int u = 0; u < nd; u++) (e[u] + od[u]).store(o + d0 + u * W);
+        }
+        for (int64_t d = dv; d < D; d++) {
+          float acc = 0.f;
+          for (c = 0; c < ctx; c++) acc += p[c] * V[c * D + d];
+          o[d] = acc;
         }
         const float inv = 1.f / sum;
         for (int64_t d = 0; d < D; d++) o[d] *= inv;

@@ -340,9 +340,10 @@ def test_compiled_linear_equals_ar_with_int8_weights_through_the_kernel():
 
 
 # --- regional compilation -----------------------------------------------------------------------
-def _compiled_graph(monkeypatch, regional: str, layers: int = 3):
+def _compiled_graph(monkeypatch, regional: str, layers: int = 3, draft: bool = False):
     """Compile one tiny-model step through fastspec's backend with inductor swapped for a recorder:
-    returns (the FX graph the backend hands inductor, the step's logits, eager logits, compiles)."""
+    returns (the FX graph the backend hands inductor, the step's logits, eager logits, compiles).
+    draft: a draft forward of a fused (inference-form) draft adapter instead of a verify one."""
     import torch._inductor.compile_fx as cfx
     from fastspec.graphs.keys import GraphKey
     from fastspec.graphs.profile import forward_inputs
@@ -356,12 +357,24 @@ def _compiled_graph(monkeypatch, regional: str, layers: int = 3):
     monkeypatch.setattr(cfx, "compile_fx", record)
     monkeypatch.setenv("FASTSPEC_REGIONAL", regional)
     t = tiny_loaded(seed=2, layers=layers)
-    ids, pos, k, v, cols, mask, slots, _ = forward_inputs(t.cfg, 2, 3, "chain", 5, "cpu", torch.float32)
+    layout = "chain"
+    if draft:
+        from fastspec.draft import AdapterConfig, attach_adapter, fuse_adapter
+        attach_adapter(t.model, AdapterConfig(rank=4), seed=2)
+        with torch.no_grad():
+            for blk in t.model.layers:
+                for lora in blk.attn.lora.values():
+                    lora.B.normal_(0, 0.1)
+        t.model.requires_grad_(False)
+        fuse_adapter(t.model)
+        layout = "draft"
+    ids, pos, k, v, cols, mask, slots, adapter_on = forward_inputs(t.cfg, 2, 3, layout, 5, "cpu",
+                                                                   torch.float32, t.model.mask_token_id)
     with torch.no_grad():
-        ref = t.model(ids, pos, k.clone(), v.clone(), cols, mask, slots)
+        ref = t.model(ids, pos, k.clone(), v.clone(), cols, mask, slots, adapter_on)
     runner = StepRunner("compile", model=t.model)
-    out, = runner.run(GraphKey(2, 3, "chain"), t.model.forward, ids, pos, k, v, cols, mask, slots,
-                      static=(2, 3))
+    out, = runner.run(GraphKey(2, 3, layout), t.model.forward, ids, pos, k, v, cols, mask, slots,
+                      adapter_on, static=(2, 3))
     return seen[-1], out, ref, runner.total_compiles()
 
 
@@ -393,6 +406,18 @@ def test_regional_compilation_traces_one_layer_and_reuses_it(monkeypatch):
     # Each layer passes its own panels: 3 layers x 4 weights + the head, all different tensors.
     panels = {id(r.args[-4:][i]) for r in regions for i in range(4)}
     assert len(panels) == 12
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_the_fused_draft_adapter_runs_on_packed_panels(monkeypatch):
+    """A draft forward with the inference form of the adapter: its LoRA GEMMs (fused q/k/v A and
+    B, o's A and B) run as skinny_linear on packed fp32 panels too, no aten mm is left in the
+    layer, and the step gives the eager logits."""
+    gm, out, ref, _ = _compiled_graph(monkeypatch, "1", layers=2, draft=True)
+    body = _region_body(gm)
+    assert len(_calls(body.graph, kernels.active().ops.skinny_linear.default)) == 4 + 4
+    assert not _calls(body.graph, F.linear) and not _calls(body.graph, torch._C._nn.linear)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
