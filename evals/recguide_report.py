@@ -22,6 +22,7 @@ def _get(r, k):
 
 
 def _interval(frac: float) -> int:
+    frac = min(max(frac, 0.0), 1.0)
     return next(i for i, (lo, hi) in enumerate(INTERVALS) if lo <= frac < hi)
 
 
@@ -48,7 +49,9 @@ def print_tables(console, runs: list[dict], records, block: int | None = None) -
         for name in sorted({r["method"] for r in spec}):
             if "adaptive" in name or "blocks=" in name:
                 continue
-            t = transitions(records, name, block)
+            from fastspec.methods import parse_method_spec
+            own = parse_method_spec(name)[1].get("block", block)   # linear[block=16]: its own B
+            t = transitions(records, name, own if isinstance(own, int) and own > 1 else block)
             if t is None:
                 continue
             tab = Table(title=f"Table 1 — {name}: acceptance interval, round t → t+1")

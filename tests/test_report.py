@@ -121,3 +121,19 @@ def test_write_plots_makes_pngs(tmp_path):
         with open(p, "rb") as f:
             data = f.read()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1024
+
+
+def test_table1_reads_each_method_at_its_own_block_size():
+    """A run at --block 8 beside linear[block=16]: the B=16 rows' accepted fractions are taken of
+    their own 15 drafts (a fully accepted 16-block is 'high', not outside every interval)."""
+    from fastspec.evals.recguide_report import print_tables, transitions
+    records = [rec("gsm8k", "linear[block=16]", 1, 40, [16, 16, 1, 16, 2], 1.0),
+               rec("gsm8k", "linear", 1, 20, [8, 1, 8, 3], 1.0)]
+    runs = [{"method": m, "concurrency": 1, "tokens_per_s": 1.0, "tokens_per_forward": 1.0}
+            for m in ("linear[block=16]", "linear")]
+    console = Console(record=True, width=200)
+    print_tables(console, runs, records, block=8)
+    text = console.export_text()
+    assert text.count("Table 1") == 2
+    # rounds (last cut): 16 16 1 16 -> high high low high: high->high, high->low, low->high
+    assert transitions(records, "linear[block=16]", 16) == [[0, 0, 1], [0, 0, 0], [0.5, 0, 0.5]]
