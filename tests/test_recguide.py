@@ -495,3 +495,19 @@ def test_round_time_estimate_from_the_profile():
     assert check["steps"]["1x8:draft1"] == {"measured": 30.0, "profile": 24.0, "error": -0.2}
     assert check["steps"]["1x8:hit1"]["error"] == 0.0
     assert check["mean_abs_error"] == 0.1
+
+
+def test_a_new_request_joins_the_block_the_run_mostly_takes():
+    """With per-request block sizes, a request with no history yet starts at the block most of
+    the run's rounds took (it joins their bucket instead of splitting the batch); once it has
+    history, the chooser decides. Without bucketing there is no bucket to join."""
+    from fastspec.engine import Sequence
+    m = RecGuide(block=8, blocks=(4, 8, 16))
+    m.block_choices = {4: 30, 8: 2}
+    assert m.choose_block(Sequence(0, [1], SamplingParams())) == 4
+    m.block_choices = {}
+    seq = Sequence(1, [1], SamplingParams())
+    assert m.choose_block(seq) == 8            # nothing measured yet: its starting block
+    unbucketed = RecGuide(block=8, blocks=(4, 8, 16), bucketing=False)
+    unbucketed.block_choices = {4: 30}
+    assert unbucketed.choose_block(Sequence(2, [1], SamplingParams())) == 8

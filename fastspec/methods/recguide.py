@@ -327,6 +327,10 @@ class RecGuide(LinearSS):
         if len(self.blocks) == 1:
             return self.blocks[0]
         hist_b, hist_c = seq.state.setdefault("blocks", []), seq.accept_lengths
+        if not hist_b and self.block_choices and self.bucketing:
+            # No history yet: join the block the run's rounds have mostly taken, so a newly
+            # admitted request does not split the batch into a bucket of its own.
+            return max(self.block_choices, key=self.block_choices.get)
         s = history_signal(hist_b, hist_c) if self.use_signal else 0.5
         z = stratum(hist_b[-1] if hist_b else None, hist_c[-1] if hist_c else None) \
             if self.use_stratum else "*"
