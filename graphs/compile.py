@@ -43,7 +43,7 @@ class Packed:
     panels: torch.Tensor
     scales: torch.Tensor | None
     out_features: int
-    source: torch.Tensor | None = None
+    source: torch.Tensor
 
 
 def setup_inductor_cache() -> None:
@@ -240,7 +240,7 @@ def _skinny_backend(packed: dict[int, Packed], kernel: "kernels.Kernel | None" =
                 return None
             t = weight_of(w)
             pw = packed.get(id(t))
-            return pw if pw is not None and (pw.source is None or pw.source is t) else None
+            return pw if pw is not None and pw.source is t else None
 
         def packed_inputs(pw: Packed) -> tuple[torch.fx.Node, torch.fx.Node | None]:
             key = id(pw)

@@ -180,7 +180,6 @@ class RecGuide(LinearSS):
             raise FastspecError(f"recguide: alts must be 1..{MAX_ALTS}, and above 1 needs "
                                 f"policy=likelihood, got {alts}")
         self.n_alts = alts
-        self.seedless_corrections = seed == "mask"
         self.policy = policy
         self.threshold = threshold
         self.max_corrections = max_corrections
@@ -517,11 +516,12 @@ class RecGuide(LinearSS):
             corr_ok = judged if self.max_corrections > 0 else torch.zeros_like(judged)
             score_of = lambda hit_given_reject: torch.where(corr_ok, before * hit_given_reject,  # noqa: E731
                                                             unwanted)
-            if self.seedless_corrections:
+            seedless = self.seed == "mask"       # every correction seedless (a Python flag)
+            if seedless:
                 parts = [score_of(1 - prob)]
             else:
                 parts = [score_of(alt_prob[..., r]) for r in range(self.n_alts)]
-            n_guessed = 0 if self.seedless_corrections else self.n_alts * n   # guessed columns
+            n_guessed = 0 if seedless else self.n_alts * n   # guessed columns
             if self.seed == "mix":      # seedless at p: the outcomes the guesses at p miss
                 parts.append(score_of((1 - prob - alt_prob.sum(-1)).clamp_min(0) * SEEDLESS_VALUE))
             all_acc = before.gather(1, (blocks - 1)[:, None])               # every draft accepted
@@ -554,7 +554,7 @@ class RecGuide(LinearSS):
         wanted = by_kind.long().sum(-1, keepdim=True) > torch.arange(3, device=dev)[None, :]
         cont = kinds == CONT
         return (idx, torch.zeros_like(idx), cont,
-                torch.full_like(cont, self.seedless_corrections) & ~cont, wanted, c)
+                torch.full_like(cont, self.seed == "mask") & ~cont, wanted, c)
 
     overlap_layout = staticmethod(overlap_layout)     # shared with TiDAR (fastspec/methods/tidar.py)
 
