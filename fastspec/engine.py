@@ -462,16 +462,17 @@ class Engine:
         """Whether rounds attend over a context sized to their rows (not under CUDA graphs)."""
         return not (self.device.type == "cuda" and self.runner.resolved == "cuda-graph")
 
-    def attention_ctx(self, meth: Method, longest: int | None) -> int:
+    def attention_ctx(self, meth: Method, longest: int | None, plan: Plan | None = None) -> int:
         """Cache columns a round attends over: the rows' longest committed length plus the
-        widest the round writes, rounded up to CTX_STEP (below the cache's length, which
-        `prepare` sizes one column past any round's reach). A step on the whole cache would copy
-        every slot's K/V for all max_len columns per layer (the slot gather); CUDA graphs keep
-        the whole cache, so one capture serves a key. longest None: the whole cache."""
+        columns this plan's step writes (the method's widest without a plan), rounded up to
+        CTX_STEP (below the cache's length, which `prepare` sizes one column past any round's
+        reach). A step on the whole cache would copy every slot's K/V for all max_len columns
+        per layer (the slot gather); CUDA graphs keep the whole cache, so one capture serves a
+        key. longest None: the whole cache."""
         c = self.cache
         if longest is None or not self.dynamic_ctx:
             return c.max_len
-        need = longest + meth.max_width() + 1
+        need = longest + (meth.max_width() if plan is None else meth.step_width(plan)) + 1
         return min(-(-need // CTX_STEP) * CTX_STEP, c.max_len - 1)
 
     def run_group(self, meth: Method, plan: Plan, slots: list[int], blocks: list[int],
@@ -494,7 +495,7 @@ class Engine:
         fn = self._round_fn(meth, plan.variant, s.mode, width)
         # The attention context enters as the length of a column range, a size the compiled
         # step keeps symbolic: one compile serves every context.
-        ctx_cols = self.ctx_cols[:self.attention_ctx(meth, longest)]
+        ctx_cols = self.ctx_cols[:self.attention_ctx(meth, longest, Plan(width, plan.variant))]
         if self.dynamic_ctx:
             torch._dynamo.maybe_mark_dynamic(ctx_cols, 0)
         compiles, t0 = self.runner.total_compiles(), time.perf_counter()
@@ -509,6 +510,7 @@ class Engine:
             times = self.step_ms.setdefault(meth.key_name(), {})
             old = times.get((rows, width, plan.variant))
             times[(rows, width, plan.variant)] = ms if old is None else 0.8 * old + 0.2 * ms
+            meth.timed_step(rows, width, plan.variant, ms)
         emitted, n_emitted, n_drafted, lengths, counter, next_pending, host = outs[:7]
         ncarry = len(self.carry)
         c.lengths.index_copy_(0, slot_t, lengths)
@@ -617,8 +619,8 @@ class Engine:
             t0 = time.perf_counter()
             # The method's planner gives each request its next round; equal plans run together.
             groups: dict[Plan, list[Sequence]] = {}
-            for seq in sched.running.values():
-                plan = meth.plan(seq)
+            running = list(sched.running.values())
+            for seq, plan in zip(running, meth.plan_round(running)):
                 seq.block = plan.block
                 groups.setdefault(plan if meth.bucketing else Plan(0, plan.variant), []).append(seq)
             results = []

@@ -315,9 +315,11 @@ class MixedBlocks(RecGuide):
     def block_for(self, seq):
         return (4, 8, 16)[seq.index % 3]
 
-    def plan(self, seq):
-        p = super().plan(seq)
-        return type(p)(seq.block, p.variant)
+    def choose_block(self, seq):
+        return seq.block
+
+    def join_or_split(self, seqs, blocks):
+        return blocks
 
     def plans(self):
         return [type(p)(b, p.variant) for p in super().plans() for b in (4, 8, 16)]
@@ -356,19 +358,36 @@ def test_the_warm_up_builds_the_branch_layouts_the_gate_reaches_on_this_device()
 
 
 def test_the_gate_reads_measured_steps_and_scales_the_profile_for_the_others():
-    step_ms = {}
-    m = gated(lambda rows, tokens: 10 + 1.0 * rows * tokens, step_ms)
+    m = gated(lambda rows, tokens: 10 + 1.0 * rows * tokens)
     # Profile: T(8) = 18, T(16) = 26, T(24) = 34; draft0 = 36, draft1 = 44, hit1 = 26.
     assert m.gate(1, 8, hit=False) == 0           # 0.3 * 18 = 5.4 <= 8
-    step_ms[(1, 8, "draft0")] = 72.0               # this machine runs at half the profile's speed
+    m.timed_step(1, 8, "draft0", 72.0)             # this machine runs at half the profile's speed
     assert m.step_time_ms(1, 8, "draft1") == pytest.approx(88.0)
-    assert m.step_time_ms(1, 8, "draft0") == 72.0
+    assert m.step_time_ms(1, 8, "draft0") == pytest.approx(72.0)
     assert m.gate(1, 8, hit=False) == 0
     # Slot 0 hit 96 times in 100: 0.935 * 36 > 16 admits it; slot 1 keeps the prior 0.3.
     m.slot_covered[0], m.slot_trials[0] = 96, 100
     assert m.gate(1, 8, hit=False) == 1
-    step_ms[(1, 8, "draft1")] = 200.0              # measured: that branch is slow here after all
+    for _ in range(5):
+        m.timed_step(1, 8, "draft1", 200.0)        # measured: that branch is slow here after all
+        m.timed_step(1, 8, "draft0", 72.0)
     assert m.gate(1, 8, hit=False) == 0
+
+
+def test_step_times_follow_the_machines_load_not_when_each_step_was_last_timed():
+    """B=4 and B=8 rounds alternate; the machine then slows to half speed and only B=8 runs.
+    Read as profile × shape × level, B=4 keeps about its relative cost (0.9× the B=8 round, as
+    measured together), although its last measurement was taken before the slowdown."""
+    m = gated(lambda rows, tokens: 30 + 1.0 * tokens)         # draft0: B=4 68 ms, B=8 76 ms
+    for _ in range(10):
+        m.timed_step(1, 4, "draft0", 68.0)
+        m.timed_step(1, 8, "draft0", 76.0)
+    for _ in range(10):
+        m.timed_step(1, 8, "draft0", 152.0)                    # half speed: only B=8 ran since
+    assert m.level > 1.6                                       # most of it read as the machine
+    assert m.ms(1, 8, "draft0") == pytest.approx(152.0, rel=0.02)
+    # B=4 priced at today's level: ~0.8-0.9x the B=8 round, not the stale 68 / 152 = 0.45x.
+    assert 0.75 < m.ms(1, 4, "draft0") / m.ms(1, 8, "draft0") < 0.95
 
 
 # --- a model whose drafts are often right: hits happen -------------------------------------
@@ -391,6 +410,13 @@ def test_hits_happen_on_a_predictable_model_and_output_stays_ar():
 
 
 
+class TakesEveryHit(RecGuide):
+    """Verifies every carried draft, whatever a step of their own costs (many hit rounds)."""
+
+    def keep_hits(self, block, n_draft, n_hit):
+        return True
+
+
 @pytest.mark.parametrize("seed", ["guess", "mask"])
 def test_sampled_recguide_preserves_the_target_distribution(seed):
     """The joint law of the 4th and 5th sampled tokens (past the first round, where carried
@@ -402,7 +428,7 @@ def test_sampled_recguide_preserves_the_target_distribution(seed):
     engine = Engine(t, backend="eager")
     prompt = [0, 1, 0, 1, 0]
     exact = exact_pair_law(engine, prompt, 3, 4, 5)
-    m = RecGuide(block=4, branches=3, policy="likelihood", seed=seed)
+    m = TakesEveryHit(block=4, branches=3, policy="likelihood", seed=seed)
     counts, tv, reused, first = torch.zeros(V, V), [], 0, 0
     for n in (400, 3200):
         params = [SamplingParams(temperature=1.0, max_new_tokens=5, seed=s, ignore_eos=True)
@@ -492,9 +518,12 @@ def test_round_time_estimate_from_the_profile():
     assert m.estimate_ms(1, 8, "hit1") == 16
     assert m.estimate_ms(1, 8, "draft0") == 8 + 8
     check = m.profile_check()
-    assert check["steps"]["1x8:draft1"] == {"measured": 30.0, "profile": 24.0, "error": -0.2}
+    assert check["steps"]["1x8:draft1"] == {"measured": 30.0, "profile": 24.0, "error": -0.2,
+                                            "at_level": 0.0}
     assert check["steps"]["1x8:hit1"]["error"] == 0.0
     assert check["mean_abs_error"] == 0.1
+    # The machine's level, seeded from these steps (their median measured/profile, 1.25).
+    assert check["level"] == 1.25 and check["mean_abs_error_at_level"] == 0.125
 
 
 def test_a_new_request_joins_the_block_the_run_mostly_takes():
@@ -511,3 +540,105 @@ def test_a_new_request_joins_the_block_the_run_mostly_takes():
     unbucketed = RecGuide(block=8, blocks=(4, 8, 16), bucketing=False)
     unbucketed.block_choices = {4: 30}
     assert unbucketed.choose_block(Sequence(2, [1], SamplingParams())) == 8
+
+
+# --- planning a batch: one request's plan changes its batch's steps ------------------------
+
+
+class RowCosts(RecGuide):
+    """Step times T(rows, B) = 10 + per_token · rows · B per forward (a draft round runs two)."""
+
+    def __init__(self, per_token, **kw):
+        super().__init__(**kw)
+        self.per_token = per_token
+
+    def ms(self, rows, block, variant):
+        f = 10.0 + self.per_token * rows * block
+        return f if variant.startswith("hit") else 2 * f
+
+
+def with_history(index, block, commits):
+    from fastspec.engine import Sequence
+    seq = Sequence(index, [1], SamplingParams())
+    seq.block = block
+    seq.state["blocks"] = [block] * len(commits)
+    seq.accept_lengths = list(commits)
+    return seq
+
+
+def test_per_request_blocks_split_the_batch_only_when_that_commits_more_per_ms():
+    """a drafts well (wants B=16), b badly (wants B=4). Geometric values: V_a = 11.2 / 6.73 /
+    3.71 at B = 16 / 8 / 4, V_b = 1.05 at every B. CPU-like costs (each token 1 ms a row): two
+    1-row steps, 52 + 28 ms -> 12.25 / 80 = 0.153 a ms, beat one 2-row step at B=8 (7.78 / 52 =
+    0.150): keep the split. GPU-like (tokens almost free): one step at B=16, 12.25 / 20.6, beats
+    two steps, 12.25 / 40.4."""
+    kw = dict(block=8, blocks=(4, 8, 16), branches=0)
+    for per_token, expected in ((1.0, [16, 4]), (0.01, [16, 16])):
+        m = RowCosts(per_token, **kw)
+        m.begin(RunInfo(2, 2, set(), {}, lambda rows, tokens: 1.0))
+        a, b = with_history(0, 16, [16, 16, 16]), with_history(1, 4, [1, 1, 1])
+        assert [m.choose_block(a), m.choose_block(b)] == [16, 4]
+        assert [p.block for p in m.plan_round([a, b])] == expected
+
+
+def test_a_lone_hit_beside_drafting_rows_is_dropped_when_its_own_step_costs_more():
+    """B=8, CPU-like costs. 3 drafting rows + 1 hit: draft(4 rows) 84 + hit(1 row) 18 ms >
+    draft(4 rows) 84 ms: the hit is dropped (it drafts afresh with the others). 2 + 2: draft(2)
+    52 + hit(2) 26 = 78 < 84: the hits run as their own one-forward step. All rows hit: kept."""
+    m = RowCosts(1.0, block=8, branches=0)
+    m.begin(RunInfo(4, 4, set(), {}, lambda rows, tokens: 1.0))
+    assert not m.keep_hits(8, 3, 1)
+    assert m.keep_hits(8, 2, 2)
+    assert m.keep_hits(8, 0, 4)
+    hit, drafting = [0, 0, 1, 0], [0, 0, 0, 0]     # H_RISKY, H_WANTED, H_HIT, H_SLOTS
+    seqs = [with_history(i, 8, [3]) for i in range(4)]
+    for q, h in zip(seqs, (hit, drafting, drafting, drafting)):
+        q.host = h
+    assert [p.variant for p in m.plan_round(seqs)] == ["draft0"] * 4
+    assert m.report()["dropped"] == 1 and m.report()["reused"] == 0
+    for q, h in zip(seqs, (hit, hit, drafting, drafting)):
+        q.host = h
+    assert [p.variant for p in m.plan_round(seqs)] == ["hit0", "hit0", "draft0", "draft0"]
+    assert m.report()["reused"] == 2
+
+
+def test_the_gate_charges_a_batch_for_every_row_having_to_hit():
+    """Branch tokens almost free (a GPU at low load): the prior hit rate 0.3 opens every slot
+    for one request, but a step of 8 saves its draft forward only if all 8 rows hit (0.3^8)."""
+    m = gated(lambda rows, tokens: 10 + 0.01 * rows * tokens)
+    assert m.gate(1, 8, hit=False) == 3
+    assert m.gate(8, 8, hit=False, together=8) == 0
+
+
+def test_a_step_attends_only_as_far_as_its_own_branches_reach():
+    """A plain B=4 round writes 4 columns past the committed length, two branches 12: the
+    attention context follows the step, not the widest layout the method could lay out
+    (B=32 with 3 slots: 128 columns)."""
+    from fastspec.engine import CTX_STEP
+    from fastspec.methods.base import Plan
+    engine = Engine(copy_model(), backend="eager")
+    m = RecGuide(block=4, blocks=(4, 32))
+    engine.prepare(1, 400, m)
+    assert m.step_width(Plan(4, "draft0")) == 4 and m.step_width(Plan(4, "hit2")) == 12
+    assert engine.attention_ctx(m, CTX_STEP - 5, Plan(4, "draft0")) == CTX_STEP
+    assert engine.attention_ctx(m, CTX_STEP - 5, Plan(4, "draft2")) == 2 * CTX_STEP
+    assert engine.attention_ctx(m, CTX_STEP - 5) == 3 * CTX_STEP     # no plan: the widest, 128
+
+
+def test_one_pass_statistics_equal_the_separate_ones():
+    """draft_stats_and_alternatives == draft_stats + alternatives, for greedy drafts and for
+    sampled ones far down the ranking, with EOS among the top tokens."""
+    from fastspec.methods.drafter import draft_stats, draft_stats_and_alternatives
+    from fastspec.methods.recguide import alternatives
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 50, generator=g)
+    logits[0, 0, 7] = 9.0                  # EOS (7) the top token, 2nd after the draft
+    logits[1, 1, 7] = 8.0
+    logits[1, 1, 3] = 9.0
+    for drafts in (logits.argmax(-1), torch.randint(0, 50, (3, 5), generator=g)):
+        for k in (1, 3):
+            fused = draft_stats_and_alternatives(logits, drafts, (7,), k=k)
+            sep = (*draft_stats(logits, drafts), *alternatives(logits, drafts, (7,), k=k))
+            assert torch.equal(fused[3], sep[3])
+            for a, b in zip(fused, sep):
+                torch.testing.assert_close(a, b)

@@ -94,6 +94,11 @@ class Method:
         last round's host values in `seq.host`)."""
         return Plan(seq.block)
 
+    def plan_round(self, seqs: list) -> list[Plan]:
+        """Every running request's next round (rows with equal plans run as one step). A
+        planner that weighs what one request's plan does to its batch's steps overrides this."""
+        return [self.plan(seq) for seq in seqs]
+
     def plans(self) -> list[Plan]:
         """The plans whose steps the warm-up builds before timing starts: every plan `plan` can
         return, or the ones it is expected to (a plan outside them compiles on first use, and the
@@ -111,6 +116,14 @@ class Method:
     def max_width(self) -> int:
         """New tokens one forward writes per row at most: the KV cache keeps this much headroom."""
         return self.max_block()
+
+    def step_width(self, plan: Plan) -> int:
+        """New tokens per row the step of `plan` writes (its attention context reaches that far
+        past the rows' committed lengths, and no further: attention is paid per column)."""
+        return self.max_width()
+
+    def timed_step(self, rows: int, width: int, variant: str, ms: float) -> None:
+        """A step of this method just ran in `ms` (timed methods only; compiles excluded)."""
 
     def begin(self, run: "RunInfo") -> None:
         """Called once before a run's first round (host side)."""

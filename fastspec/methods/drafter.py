@@ -52,6 +52,29 @@ def draft_stats(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tenso
     return p_draft, p1, p1 - p2
 
 
+def draft_stats_and_alternatives(logits: torch.Tensor, drafts: torch.Tensor, eos_ids=(),
+                                 k: int = 1) -> tuple[torch.Tensor, ...]:
+    """`draft_stats` and the k best tokens other than the draft, MASK (already -inf) and EOS,
+    with their probabilities ([S, n, k], best first), from one log-sum-exp and one top-m pass
+    over the vocabulary: of the top m = k + 1 + #EOS at most 1 + #EOS are banned.
+
+        top 4 (k = 2, one EOS):  [d  e  x  y]  banned [1 1 0 0]  rank among allowed [0 0 1 2]
+                                 -> alternatives x, y
+    """
+    logits = logits.float()
+    lse = logits.logsumexp(-1, keepdim=True)
+    top = logits.topk(min(k + 1 + len(eos_ids), logits.shape[-1]), dim=-1)
+    logp = top.values - lse
+    p1, p2 = logp[..., 0].exp(), logp[..., 1].exp()
+    p_draft = (logits.gather(-1, drafts[..., None]) - lse)[..., 0].exp()
+    banned = top.indices == drafts[..., None]
+    for e in eos_ids:
+        banned = banned | (top.indices == e)
+    rank = (~banned).long().cumsum(-1)
+    picks = torch.stack([((rank == r + 1) & ~banned).long().argmax(-1) for r in range(k)], -1)
+    return p_draft, p1, p1 - p2, top.indices.gather(-1, picks), logp.gather(-1, picks).exp()
+
+
 def draft_logits(step, pending: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
     """The draft forward `[seed, MASK×(n−1)]` in the adapter's convention: aligned logits
     [S, n, V] whose index i proposes d(i+1), MASK excluded (row s drafts its first blocks[s])."""

@@ -61,11 +61,12 @@ from fastspec.config import FastspecError
 from fastspec.convention import aligned_draft_logits, draft_block_mask, draft_adapter_flags
 from fastspec.layout import causal_block
 from fastspec.methods.base import CarrySpec, Plan, RoundOutput, RunInfo
-from fastspec.methods.drafter import draft_stats, exact_first_draft
+from fastspec.methods.drafter import draft_stats_and_alternatives, exact_first_draft
 from fastspec.methods.linear import BLOCK_SIZES, LinearSS
 from fastspec.sampling import filtered_logprobs, sample_from_logprobs
 from fastspec.survival import SurvivalTables, choose_block, history_signal, stratum
 from fastspec.verify import accept_chain
+from fastspec.graphs.keys import batch_bucket
 
 STREAM_BRANCH = 16              # + slot: the random stream of a branch's sampled drafts
 CORR1, CORR2, CONT = 0, 1, 2    # branch kinds, in the reference policy's order
@@ -79,6 +80,9 @@ MAX_SLOTS = 6                   # branch slots the likelihood policy may lay out
 # scarce slots a guessed candidate should usually come first.)
 SEEDLESS_VALUE = 0.8
 MAX_ALTS = 3                    # guessed alternatives per draft position (`alts=`)
+# Step-time model (RecGuide.timed_step): the machine's level follows its load within a few
+# steps; a step's shape against the profile is a property of the step, learned as slowly.
+LEVEL_RATE, SHAPE_RATE = 0.3, 0.05
 
 
 def overlap_layout(step, verify_ids, blocks, anchors, firsts, seeded):
@@ -223,7 +227,14 @@ class RecGuide(LinearSS):
         # Counterfactual hit counts per slot: slot j's wanted branch matched the outcome.
         self.slot_covered = [0] * self.n_cand
         self.slot_trials = [0] * self.n_cand
-        self.table3 = {"rounds": 0, "proposed": 0, "laid_out": 0, "covered": 0, "reused": 0}
+        # dropped: carried drafts not verified because a step of their own cost more (keep_hits)
+        self.table3 = {"rounds": 0, "proposed": 0, "laid_out": 0, "covered": 0, "reused": 0,
+                       "dropped": 0}
+        # Step times (see timed_step): earlier runs' measurements seed the shapes, as of one moment.
+        self.shape = {key: ms / self.estimate_ms(*key) for key, ms in self.step_ms.items()}
+        self.level = sorted(self.shape.values())[len(self.shape) // 2] if self.shape else None
+        self.shape = {key: f / self.level for key, f in self.shape.items()}
+        self.shape_n = {key: 1 for key in self.shape}
         self.decisions: dict[int, int] = {}          # branch slots laid out -> rounds
         self.block_choices: dict[int, int] = {}      # block size -> rounds (Table 4)
 
@@ -257,6 +268,9 @@ class RecGuide(LinearSS):
     def max_width(self) -> int:
         return self.max_block() * (1 + self.max_slots)
 
+    def step_width(self, plan: Plan) -> int:
+        return plan.block * (1 + (int(plan.variant[-1]) if plan.variant else 0))
+
     def carry_spec(self, vocab_size: int, sampled: bool = False) -> dict[str, CarrySpec]:
         n = self.max_block()
         spec = {"valid": CarrySpec(()), "drafts": CarrySpec((n,)),
@@ -271,8 +285,38 @@ class RecGuide(LinearSS):
         """Slot j's observed hit rate (Beta prior worth 4 rounds at `prior_hits`)."""
         return (self.slot_covered[j] + 4 * self.prior_hits) / (self.slot_trials[j] + 4)
 
+    def timed_step(self, rows: int, width: int, variant: str, ms: float) -> None:
+        """One measured step. Its time is read as profile × shape × level: the shape (this
+        step's cost against the profile's) is a property of the step, the level (how fast the
+        machine runs now) is shared by all steps and moves with the machine's load. Comparing
+        steps then compares them at today's level, not at the moments each was last measured:
+
+            B=4 round measured at 70 ms (profile 67, level 1.0 -> shape 1.04); the machine then
+            slows to half speed while B=8 rounds run (profile 71, 142 ms -> level ~2): B=4 now
+            reads ~67 · 1.04 · 2 = 139 ms, not its stale 70 ms, and B=8 is not priced 2x it.
+        (Were only one step ever timed, a slowdown could not be told from its shape; the level
+        moves fast and the shape slowly, so most of it goes to the level.)"""
+        key = (rows, width, variant)
+        ratio = ms / self.estimate_ms(*key)
+        known = self.shape.get(key)
+        f = known or self.mean_shape(rows, width)
+        self.level = ratio / f if self.level is None else \
+            (1 - LEVEL_RATE) * self.level + LEVEL_RATE * ratio / f
+        # A running mean over a step's first measurements, then a slow average.
+        n = self.shape_n[key] = self.shape_n.get(key, 0) + 1
+        rate = max(1 / n, SHAPE_RATE)
+        self.shape[key] = (1 - rate) * (known or 0.0) + rate * ratio / self.level
+
+    def mean_shape(self, rows: int, block: int) -> float:
+        """The mean shape of the measured steps of this (rows, block), else of all; 1 if none."""
+        same = [f for (r, w, _), f in self.shape.items() if (r, w) == (rows, block)] or \
+            list(self.shape.values())
+        return sum(same) / len(same) if same else 1.0
+
     def ms(self, rows: int, block: int, variant: str) -> float | None:
-        return self.step_ms.get((rows, block, variant))
+        """A measured step's time at the machine's current level (None: never measured)."""
+        f = self.shape.get((rows, block, variant))
+        return None if f is None else self.estimate_ms(rows, block, variant) * f * self.level
 
     def estimate_ms(self, rows: int, block: int, variant: str) -> float:
         """A round's time from the device profile alone: the overlap forward of the verify row
@@ -285,28 +329,33 @@ class RecGuide(LinearSS):
         """Profile estimate vs measured time of every step this run timed, and the mean absolute
         relative error (the profile is what a cold start and a new machine plan with)."""
         rows = {}
+        level = self.level or 1.0
         for (r, w, v), ms in sorted(self.step_ms.items()):
             est = self.estimate_ms(r, w, v)
             rows[f"{r}x{w}:{v}"] = {"measured": round(ms, 3), "profile": round(est, 3),
-                                    "error": round(est / ms - 1, 4)}
-        errs = [abs(x["error"]) for x in rows.values()]
-        return {"steps": rows, "mean_abs_error": round(sum(errs) / len(errs), 4) if errs else None}
+                                    "error": round(est / ms - 1, 4),
+                                    "at_level": round(est * level / ms - 1, 4)}
+        mean = lambda col: round(sum(abs(x[col]) for x in rows.values()) / len(rows), 4) if rows else None  # noqa: E731
+        # at_level: the profile times the machine's level at the end of the run (what the
+        # planner prices a step it has not measured at); error: the profile as it is.
+        return {"steps": rows, "mean_abs_error": mean("error"), "level": round(level, 4),
+                "mean_abs_error_at_level": mean("at_level")}
 
     def step_time_ms(self, rows: int, block: int, variant: str) -> float:
-        """A round's time: measured once the step has run, else the profile's estimate scaled by
-        how far the profile is off on the steps of this shape that did run (one common factor: a
-        profile taken at another thread count, or on a busier machine, is off by about that)."""
+        """A round's time: as measured (`ms`) once the step has run, else the profile's estimate
+        times the mean shape of the steps of this (rows, block) that did run, or of all steps run
+        when none of these has (a profile taken at another thread count is off by about one
+        common factor), at the machine's current level."""
         ms = self.ms(rows, block, variant)
         if ms is not None:
             return ms
-        ratios = [m / self.estimate_ms(r, w, v) for (r, w, v), m in self.step_ms.items()
-                  if (r, w) == (rows, block)]
-        return self.estimate_ms(rows, block, variant) * (sum(ratios) / len(ratios) if ratios else 1.0)
+        return self.estimate_ms(rows, block, variant) * self.mean_shape(rows, block) * (self.level or 1.0)
 
-    def gate(self, rows: int, block: int, hit: bool) -> int:
+    def gate(self, rows: int, block: int, hit: bool, together: int = 1) -> int:
         """Branch slots for the next round: add slot j while its hit rate × the draft forward a
         hit saves exceeds the extra verify cost of its B tokens (step times as measured, the
-        profile's for steps not run yet)."""
+        profile's for steps not run yet). together: the requests sharing the step; the draft
+        forward is saved only if every one of them hits (hit rate ** together)."""
         if self.branches != "gate":
             return int(self.branches)
         v = "hit" if hit else "draft"
@@ -315,58 +364,140 @@ class RecGuide(LinearSS):
         while k < self.max_slots:
             saved = t(f"draft{k + 1}") - t(f"hit{k + 1}")          # the draft forward a hit skips
             extra = t(f"{v}{k + 1}") - t(f"{v}{k}")                # slot k+1's branch tokens
-            if saved <= 0 or self.hit_rate(k) * saved <= extra:
+            if saved <= 0 or self.hit_rate(k) ** together * saved <= extra:
                 break
             k += 1
         return k
+
+    def block_values(self, seq) -> dict[int, float]:
+        """V_B(s, z) for every B of the set, from the request's recent rounds (the survival
+        tables, or a geometric run at s for a block they lack: the cold start)."""
+        hist_b, hist_c = seq.state.setdefault("blocks", []), seq.accept_lengths
+        s = history_signal(hist_b, hist_c) if self.use_signal else 0.5
+        z = stratum(hist_b[-1] if hist_b else None, hist_c[-1] if hist_c else None) \
+            if self.use_stratum else "*"
+        values = {}
+        for b in self.blocks:
+            if self.tables is not None and b in self.tables.blocks:
+                values[b] = self.tables.value(b, s, z)
+            else:
+                p = min(max(s, 0.05), 0.95)
+                values[b] = float(sum(p ** k for k in range(b)))
+        return values
 
     def choose_block(self, seq) -> int:
         """Verification-guided block size: argmax_B V_B(s, z) / T(B) from the request's recent
         rounds and the measured round time of each B at the current batch bucket."""
         if len(self.blocks) == 1:
             return self.blocks[0]
-        hist_b, hist_c = seq.state.setdefault("blocks", []), seq.accept_lengths
-        if not hist_b and self.block_choices and self.bucketing:
+        if not seq.state.get("blocks") and self.block_choices and self.bucketing:
             # No history yet: join the block the run's rounds have mostly taken, so a newly
             # admitted request does not split the batch into a bucket of its own.
             return max(self.block_choices, key=self.block_choices.get)
-        s = history_signal(hist_b, hist_c) if self.use_signal else 0.5
-        z = stratum(hist_b[-1] if hist_b else None, hist_c[-1] if hist_c else None) \
-            if self.use_stratum else "*"
-        values, costs = {}, {}
+        costs = {}
         for b in self.blocks:
             t = self.ms(self.rows, b, f"draft{self.slot_counts()[0]}")
             if t is None:                                  # not measured yet: keep the start
                 return seq.block or self.block
             costs[b] = t
-            if self.tables is not None and b in self.tables.blocks:
-                values[b] = self.tables.value(b, s, z)
-            else:                                          # cold start: a geometric run at s
-                p = min(max(s, 0.05), 0.95)
-                values[b] = float(sum(p ** k for k in range(b)))
-        return choose_block(values, costs, self.objective, self.rho)
+        return choose_block(self.block_values(seq), costs, self.objective, self.rho)
+
+    def step_rows(self, n: int) -> int:
+        """The rows a step for n requests runs: its own bucket, or the whole batch's unbucketed."""
+        return batch_bucket(n) if self.bucketing else self.rows
+
+    def rate(self, value: float, ms: float) -> float:
+        return value / ms if self.objective == "ratio" else value - self.rho * ms
+
+    def join_or_split(self, seqs, blocks: list[int]) -> list[int]:
+        """The requests' own blocks split the batch into one step per block (each padded to its
+        bucket); one common block runs them as one step. Take whichever commits more per ms.
+        C=2, a round of T(rows, B) = 2 · (10 + rows · B) ms; a drafts well (V_a = 11.2, 6.73,
+        3.71 at B = 16, 8, 4) and wants 16, b badly (V_b = 1.05) and wants 4: split,
+        (11.2 + 1.05) / (52 + 28) = 0.153 a ms; common B=8, 7.78 / 52 = 0.150: the split stays.
+        Were tokens almost free, one step at B=16 would double the rate."""
+        t = lambda n, b: self.step_time_ms(self.step_rows(n), b, f"draft{self.slot_counts()[0]}")  # noqa: E731
+        values = [self.block_values(q) for q in seqs]
+        counts: dict[int, int] = {}
+        for b in blocks:
+            counts[b] = counts.get(b, 0) + 1
+        best = blocks
+        best_rate = self.rate(sum(v[b] for v, b in zip(values, blocks)),
+                              sum(t(n, b) for b, n in counts.items()))
+        for b in self.blocks:
+            r = self.rate(sum(v[b] for v in values), t(len(seqs), b))
+            if r > best_rate:
+                best, best_rate = [b] * len(seqs), r
+        return best
+
+    def keep_hits(self, block: int, n_draft: int, n_hit: int) -> bool:
+        """Rows whose drafts were carried skip the draft forward only as a step of their own:
+        beside rows of the same block that draft, that is a second step. Keep it only when the
+        two steps cost less than one draft step for all (the carried drafts are then dropped and
+        those rows draft afresh, the same drafts: lossless either way)."""
+        if n_draft == 0:
+            return True
+        k0 = self.slot_counts()[0]
+        t = lambda n, v: self.step_time_ms(self.step_rows(n), block, f"{v}{k0}")  # noqa: E731
+        return t(n_draft, "draft") + t(n_hit, "hit") < t(n_draft + n_hit, "draft")
+
+    def observe(self, seq) -> bool:
+        """Book the previous round's outcome and counterfactual coverage; True if its drafts
+        for the next round were carried (a hit)."""
+        h = seq.host
+        if not h:
+            return False
+        seq.state.setdefault("blocks", []).append(seq.block)
+        wanted = h[H_WANTED]
+        for j in range(min(wanted, self.n_cand)):
+            self.slot_trials[j] += 1
+            self.slot_covered[j] += h[H_COVERED + j]
+        t = self.table3
+        t["rounds"] += 1
+        t["proposed"] += wanted
+        t["laid_out"] += min(wanted, h[H_SLOTS])
+        t["covered"] += int(any(h[H_COVERED + j] for j in range(min(wanted, self.n_cand))))
+        return h[H_HIT] == 1
+
+    def plan_round(self, seqs) -> list[Plan]:
+        """Every running request's next round, planned together: what one request does changes
+        the cost of its batch, because rows with different plans run as separate steps.
+        - Block sizes (verification-guided): each request's argmax_B V_B / T(B), then
+          `join_or_split` against one common block.
+        - Hits: carried drafts are verified in a one-forward step of their own (`keep_hits`).
+        - Branch slots: the cost gate per step; at R rows a slot saves the draft forward of the
+          next round only if all R rows hit (hit rate ** R), so on a busy batch it stays closed."""
+        hits = [self.observe(q) for q in seqs]
+        # A carried block keeps its size; otherwise the verifier's history picks the next one.
+        blocks = [q.block if hit else self.choose_block(q) for q, hit in zip(seqs, hits)]
+        drafting = [i for i, hit in enumerate(hits) if not hit]
+        if self.bucketing and len(self.blocks) > 1 and len({blocks[i] for i in drafting}) > 1:
+            joined = self.join_or_split([seqs[i] for i in drafting], [blocks[i] for i in drafting])
+            for i, b in zip(drafting, joined):
+                blocks[i] = b
+        step_block = (lambda b: b) if self.bucketing else (lambda b: max(blocks))   # noqa: E731
+        for b in set(map(step_block, blocks)):
+            rows = [i for i in range(len(seqs)) if step_block(blocks[i]) == b]
+            n_hit = sum(hits[i] for i in rows)
+            if n_hit and not self.keep_hits(b, len(rows) - n_hit, n_hit):
+                for i in rows:
+                    hits[i] = False
+                self.table3["dropped"] += n_hit
+        groups: dict[tuple[int, bool], int] = {}
+        for b, hit in zip(blocks, hits):
+            groups[step_block(b), hit] = groups.get((step_block(b), hit), 0) + 1
+        slots = {g: self.gate(self.step_rows(n), g[0], g[1], together=n) for g, n in groups.items()}
+        plans = []
+        for b, hit in zip(blocks, hits):
+            k = slots[step_block(b), hit]
+            self.table3["reused"] += hit
+            self.decisions[k] = self.decisions.get(k, 0) + 1
+            self.block_choices[b] = self.block_choices.get(b, 0) + 1
+            plans.append(Plan(b, f"{'hit' if hit else 'draft'}{k}"))
+        return plans
 
     def plan(self, seq) -> Plan:
-        h = seq.host
-        if h:                                    # the previous round's outcome and coverage
-            seq.state.setdefault("blocks", []).append(seq.block)
-            wanted = h[H_WANTED]
-            for j in range(min(wanted, self.n_cand)):
-                self.slot_trials[j] += 1
-                self.slot_covered[j] += h[H_COVERED + j]
-            t = self.table3
-            t["rounds"] += 1
-            t["proposed"] += wanted
-            t["laid_out"] += min(wanted, h[H_SLOTS])
-            t["covered"] += int(any(h[H_COVERED + j] for j in range(min(wanted, self.n_cand))))
-            t["reused"] += h[H_HIT]
-        hit = bool(h) and h[H_HIT] == 1
-        # A carried block keeps its size; otherwise the verifier's history picks the next one.
-        block = seq.block if hit else self.choose_block(seq)
-        k = self.gate(self.rows, block, hit)
-        self.decisions[k] = self.decisions.get(k, 0) + 1
-        self.block_choices[block] = self.block_choices.get(block, 0) + 1
-        return Plan(block, f"{'hit' if hit else 'draft'}{k}")
+        return self.plan_round([seq])[0]
 
     def report(self) -> dict:
         """Table 3 (branch coverage and reuse), Table 4 (block choices) and the gate's decisions
@@ -397,8 +528,7 @@ class RecGuide(LinearSS):
             alt, alt_prob = carry["alt"], carry["alt_prob"]
         else:
             drafts, draft_logp, logits = self.draft(step, pending, blocks)
-            prob, conf, margin = draft_stats(logits, drafts)
-            alt, alt_prob = self.alternatives(logits, drafts)
+            prob, conf, margin, alt, alt_prob = self.stats(logits, drafts)
 
         # Candidate branches, up to n_cand per row, in slot order: (aligned index of the corrected
         # draft, or the continuation) and whether the row wants it at all.
@@ -465,14 +595,13 @@ class RecGuide(LinearSS):
             else:
                 b_logp = filtered_logprobs(b_al, s.temperature, s.top_k, s.top_p, s.any_filtered)
                 b_drafts = sample_from_logprobs(b_logp, s.uniform(STREAM_BRANCH + j, (n,), rows=S))
-            b_prob, b_conf, b_margin = draft_stats(b_al, b_drafts)
+            b_prob, b_conf, b_margin, b_alt, b_alt_prob = self.stats(b_al, b_drafts)
             take = cover[:, None]
             new["valid"] = torch.where(cover, torch.ones_like(new["valid"]), new["valid"])
             new["drafts"] = torch.where(take, b_drafts, new["drafts"])
             new["prob"] = torch.where(take, b_prob, new["prob"])
             new["conf"] = torch.where(take, b_conf, new["conf"])
             new["margin"] = torch.where(take, b_margin, new["margin"])
-            b_alt, b_alt_prob = self.alternatives(b_al, b_drafts)
             new["alt"] = torch.where(take[..., None], b_alt, new["alt"])
             new["alt_prob"] = torch.where(take[..., None], b_alt_prob, new["alt_prob"])
             if b_logp is not None:
@@ -485,9 +614,10 @@ class RecGuide(LinearSS):
                 new[k] = torch.nn.functional.pad(new[k], pad)
         return RoundOutput(emitted, n_emitted, accepted, prob, conf, margin, carry=new, host=host)
 
-    def alternatives(self, logits: torch.Tensor, drafts: torch.Tensor):
-        """[S, n, alts] the best tokens other than the draft, and their probabilities."""
-        return alternatives(logits, drafts, self.eos_ids, k=self.n_alts)
+    def stats(self, logits: torch.Tensor, drafts: torch.Tensor):
+        """Per position: the draft's probability, top-1, margin, and [S, n, alts] the best tokens
+        other than the draft with their probabilities (one pass over the vocabulary)."""
+        return draft_stats_and_alternatives(logits, drafts, self.eos_ids, k=self.n_alts)
 
     def candidates(self, step, blocks, margin, prob, alt_prob, bonus_guess):
         """Up to K = n_cand branches per row in slot order: (aligned index [S, K] of the draft a
