@@ -464,7 +464,8 @@ class RecGuide(LinearSS):
         the cost of its batch, because rows with different plans run as separate steps.
         - Block sizes (verification-guided): each request's argmax_B V_B / T(B), then
           `join_or_split` against one common block.
-        - Hits: carried drafts are verified in a one-forward step of their own (`keep_hits`).
+        - Hits: carried drafts are verified in a one-forward step of their own when that step
+          and the others' round cost less than one round for all (`keep_hits`).
         - Branch slots: the cost gate per step; at R rows a slot saves the draft forward of the
           next round only if all R rows hit (hit rate ** R), so on a busy batch it stays closed."""
         hits = [self.observe(q) for q in seqs]
@@ -497,6 +498,7 @@ class RecGuide(LinearSS):
         return plans
 
     def plan(self, seq) -> Plan:
+        """One request planned alone (a batch of one)."""
         return self.plan_round([seq])[0]
 
     def report(self) -> dict:
