@@ -626,10 +626,19 @@ def test_a_step_attends_only_as_far_as_its_own_branches_reach():
 
 
 def test_one_pass_statistics_equal_the_separate_ones():
-    """draft_stats_and_alternatives == draft_stats + alternatives, for greedy drafts and for
-    sampled ones far down the ranking, with EOS among the top tokens."""
+    """draft_stats_and_alternatives == draft_stats + the alternatives by brute force (a masked
+    arg-top-k over the whole vocabulary), for greedy drafts and for sampled ones far down the
+    ranking, with EOS among the top tokens."""
     from fastspec.methods.drafter import draft_stats, draft_stats_and_alternatives
-    from fastspec.methods.recguide import alternatives
+
+    def alternatives(logits, drafts, eos_ids, k):
+        vocab = torch.arange(logits.shape[-1])
+        banned = vocab == drafts[..., None]
+        for e in eos_ids:
+            banned = banned | (vocab == e)
+        alt = logits.masked_fill(banned, float("-inf")).topk(k, dim=-1).indices
+        return alt, (logits.gather(-1, alt) - logits.logsumexp(-1, keepdim=True)).exp()
+
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 5, 50, generator=g)
     logits[0, 0, 7] = 9.0                  # EOS (7) the top token, 2nd after the draft

@@ -32,10 +32,10 @@ import torch
 
 from fastspec.config import FastspecError
 from fastspec.methods.base import Plan, RoundOutput
-from fastspec.methods.drafter import (DrafterChoice, commit_path, draft_positions, draft_stats,
+from fastspec.methods.drafter import (DrafterChoice, commit_path, draft_positions,
+                                     draft_stats_and_alternatives,
                                      make_drafter)
 from fastspec.methods.linear import BLOCK_SIZES, LinearSS
-from fastspec.methods.recguide import alternatives
 from fastspec.tree import tree_mask
 from fastspec.verify import accept_tree
 
@@ -99,8 +99,8 @@ class D2SD(DrafterChoice, LinearSS):
         # 1. the first draft: d1..d(n-1) at aligned indices 0..n-2.
         logits = self.source.logits(step, pending, blocks, n, carry, positions)
         drafts = logits.argmax(-1)          # tree candidates are deterministic (see verify.accept_tree)
-        prob, conf, margin = draft_stats(logits, drafts)
-        alt, _ = alternatives(logits, drafts, self.eos_ids)
+        prob, conf, margin, alt, _ = draft_stats_and_alternatives(logits, drafts, self.eos_ids)
+        alt = alt[..., 0]
         bounds = self.boundaries(self.source.exact_first(step), prob, blocks)    # [S, K]
 
         # 2. re-anchor: segment k keeps s d1..d(p-1), puts a_p at block position p, masks after.

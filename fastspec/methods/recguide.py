@@ -85,6 +85,11 @@ MAX_ALTS = 3                    # guessed alternatives per draft position (`alts
 LEVEL_RATE, SHAPE_RATE = 0.3, 0.05
 
 
+def slots_of(variant: str) -> int:
+    """Branch slots a step variant lays out: "draft2" / "hit2" -> 2 ("" -> 0)."""
+    return int(variant[-1]) if variant else 0
+
+
 def overlap_layout(step, verify_ids, blocks, anchors, firsts, seeded):
     """Tokens [S, N], mask among them [S, N, N], adapter flags [S, N] and RoPE positions
     relative to the committed length [S, N] for the verify row plus one branch per slot
@@ -115,21 +120,6 @@ def overlap_layout(step, verify_ids, blocks, anchors, firsts, seeded):
         blocks_rows.append(torch.cat(parts, 2))
     return (torch.cat(ids, 1), torch.cat(blocks_rows, 1), torch.cat(adapter, 1),
             torch.cat(rel, 1))
-
-
-def alternatives(logits: torch.Tensor, drafts: torch.Tensor, eos_ids=(), k: int | None = None):
-    """[S, n] the draft's best token other than its own draft, MASK (already -inf) and EOS,
-    and the drafter's probability of it; with k, the k best such tokens, [S, n, k], best first."""
-    logits = logits.float()
-    # One elementwise mask (fuses into the argmax; a scatter into a copy of the logits does not).
-    vocab = torch.arange(logits.shape[-1], device=logits.device)
-    banned = vocab == drafts[..., None]
-    for e in eos_ids:
-        banned = banned | (vocab == e)
-    allowed = logits.masked_fill(banned, float("-inf"))
-    alt = allowed.argmax(-1, keepdim=True) if k is None else allowed.topk(k, dim=-1).indices
-    p_alt = (logits.gather(-1, alt) - logits.logsumexp(-1, keepdim=True)).exp()
-    return (alt[..., 0], p_alt[..., 0]) if k is None else (alt, p_alt)
 
 
 class RecGuide(LinearSS):
@@ -269,7 +259,7 @@ class RecGuide(LinearSS):
         return self.max_block() * (1 + self.max_slots)
 
     def step_width(self, plan: Plan) -> int:
-        return plan.block * (1 + (int(plan.variant[-1]) if plan.variant else 0))
+        return plan.block * (1 + slots_of(plan.variant))
 
     def carry_spec(self, vocab_size: int, sampled: bool = False) -> dict[str, CarrySpec]:
         n = self.max_block()
@@ -321,7 +311,7 @@ class RecGuide(LinearSS):
     def estimate_ms(self, rows: int, block: int, variant: str) -> float:
         """A round's time from the device profile alone: the overlap forward of the verify row
         plus k branch blocks, and the draft forward unless the drafts were carried (a hit)."""
-        k = int(variant[-1]) if variant else 0
+        k = slots_of(variant)
         t = self.forward_ms(rows, block * (1 + k))
         return t if variant.startswith("hit") else t + self.forward_ms(rows, block)
 
@@ -519,7 +509,7 @@ class RecGuide(LinearSS):
     # --- inside the step --------------------------------------------------------------------
     def round(self, step, pending, blocks, carry, variant="") -> RoundOutput:
         n, S, dev = step.width, pending.shape[0], pending.device
-        k_slots = int(variant[-1]) if variant else 0
+        k_slots = slots_of(variant)
         s = step.sampler
         # Carried blocks are stored at the widest block; this step's rows use the first n.
         widths = {k: v.shape[1] for k, v in carry.items() if v.dim() > 1}

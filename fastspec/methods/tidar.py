@@ -59,9 +59,9 @@ import torch
 from fastspec.config import FastspecError
 from fastspec.convention import aligned_draft_logits
 from fastspec.methods.base import CarrySpec, Method, Plan, RoundOutput
-from fastspec.methods.drafter import draft_stats
+from fastspec.methods.drafter import draft_stats_and_alternatives
 from fastspec.methods.linear import LinearSS
-from fastspec.methods.recguide import aligned_bonus_guess, alternatives, overlap_layout
+from fastspec.methods.recguide import aligned_bonus_guess, overlap_layout
 from fastspec.sampling import filtered_logprobs, sample_from_logprobs
 from fastspec.verify import accept_chain
 
@@ -185,8 +185,8 @@ class TiDAR(LinearSS):
             prob, conf, margin, alt = carry["prob"], carry["conf"], carry["margin"], carry["alt"]
         else:                                    # cold: no pre-draft yet, draft forward first
             drafts, draft_logp, logits = self.draft(step, pending, blocks)
-            prob, conf, margin = draft_stats(logits, drafts)
-            alt = alternatives(logits, drafts, self.eos_ids)[0]
+            prob, conf, margin, alt, _ = draft_stats_and_alternatives(logits, drafts, self.eos_ids)
+            alt = alt[..., 0]
 
         verify_ids = torch.cat([pending[:, None], drafts[:, : n - 1]], dim=1)
         bonus_guess = drafts[:, n - 1]           # shifted: the last aligned draft predicts L+B
@@ -218,9 +218,9 @@ class TiDAR(LinearSS):
         else:   # drawn after the selection, from a stream the acceptance never reads
             nxt_logp = filtered_logprobs(chosen_al, s.temperature, s.top_k, s.top_p, s.any_filtered)
             nxt = sample_from_logprobs(nxt_logp, s.uniform(STREAM_PREDRAFT, (n,), rows=S))
-        nxt_prob, nxt_conf, nxt_margin = draft_stats(chosen_al, nxt)
-        new = {"valid": torch.ones_like(pending), "drafts": nxt,
-               "alt": alternatives(chosen_al, nxt, self.eos_ids)[0],
+        nxt_prob, nxt_conf, nxt_margin, nxt_alt, _ = draft_stats_and_alternatives(
+            chosen_al, nxt, self.eos_ids)
+        new = {"valid": torch.ones_like(pending), "drafts": nxt, "alt": nxt_alt[..., 0],
                "prob": nxt_prob, "conf": nxt_conf, "margin": nxt_margin}
         if nxt_logp is not None:
             new["logp"] = nxt_logp
