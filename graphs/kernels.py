@@ -320,17 +320,193 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed,
 // Attention of the new tokens over their own slot's cache, read in place (no gathered copy of
 // every row's K/V, which a layer otherwise pays before SDPA):
 //   out[b, n, h*D:(h+1)*D] = sum_c p[c] V[slot_b, h/G, c],  p = softmax_c(scale q[b,n,h] . K[slot_b, h/G, c])
-// over the columns c < ctx with mask[b, n, c] (G = heads per K/V head). One task per (row b,
-// head h). Every query is computed alone, each sum in a fixed order of its own columns, so a
-// token's output does not depend on the batch or on how many tokens share its forward (a verify
-// row equals AR's). A query that sees no column gets zeros (the engine never builds one: padded
-// rows see their own column). Per column the work is a few vector ops: the scores' mask, max and
-// sum run over whole vectors of columns (a scalar pass costs a 4-cycle dependency per column),
-// and p @ V keeps two interleaved sums per output vector (even and odd columns) in registers.
+// over the columns c < ctx with mask[b, n, c] (G = heads per K/V head). Every query is computed
+// alone, each sum in a fixed order of its own columns, so a token's output does not depend on
+// the batch or on how many tokens share its forward (a verify row equals AR's). A query that
+// sees no column gets zeros (the engine never builds one: padded rows see their own column).
+//
+// The queries of one K/V head (N tokens x G heads) share its K and V rows: a task takes a chunk
+// of up to QK_CHUNK of them and streams K and V once for the chunk, not once per query (alone,
+// each query re-read 64 KB of K and of V from L2 at ctx 256, D 64: most of its time). Chunking
+// changes which loads are shared, never a query's arithmetic:
+//   queries of K/V head 0 at N = 2, G = 3:  j = 0..5 -> (n, h) = (0,0) (0,1) (0,2) (1,0) (1,1) (1,2)
+//   QK_CHUNK 4:                             chunks [j0 j1 j2 j3] [j4 j5]
+// Scores take four columns at a time (four independent FMA chains per query); the mask, max and
+// sum run over whole vectors of columns; p @ V keeps two interleaved sums per output vector (even
+// and odd columns), for PV_CHUNK queries at a time, that share each V load.
+using Vf = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = Vf::size();
+// Accumulators in registers: scores NQ x 4 columns (+4 K vectors), p @ V PQ x 2 x 4 vectors (+8
+// V vectors). AVX2 has 16 registers, AVX-512 and NEON 32.
+constexpr int QK_CHUNK = kLanes == 8 ? 2 : 4;
+constexpr int PV_CHUNK = kLanes == 8 ? 1 : 2;
+
+FS_INLINE float reduce_sum(Vf a) {
+  return at::vec::vec_reduce_all<float>([](Vf& x, Vf& y) { return x + y; }, a);
+}
+
+// bitrev(i) over log2(kLanes) bits: the lane order a transposed sum leaves its inputs in.
+constexpr int bitrev_lane(int i) {
+  int r = 0;
+  for (int b = 1; b < kLanes; b <<= 1) r = (r << 1) | ((i & b) ? 1 : 0);
+  return r;
+}
+
+// The horizontal sums of kLanes vectors at once, in place: lane i of the result (x[0]) is the sum
+// of the lanes of x[bitrev_lane(i)]. Each level adds lanes kLanes/2 apart, then kLanes/4, ... exactly the tree
+// of reduce_sum (vec_reduce_all), so each sum is bit for bit reduce_sum's, for about a third of
+// its shuffles. kLanes = 4:
+//   x0 = [a0 a1 a2 a3], x1 = [b0 ..]:  interleave -> [a0 b0 a1 b1] + [a2 b2 a3 b3] = [a0+a2, b0+b2, a1+a3, b1+b3]
+//   with x2, x3 likewise, then once more: [a, c, b, d] (lane 1 <- x2 = x[bitrev(1)]).
+// Where accumulator a goes among the inputs of the transposed sums so that it comes out in lane
+// a % kLanes of sum a / kLanes.
+constexpr int slot_of(int a) { return a / kLanes * kLanes + bitrev_lane(a % kLanes); }
+
+template <int COUNT>
+FS_INLINE void transposed_sums_level(Vf* x) {   // (a level per template instance: GCC keeps x in
+#pragma GCC unroll 8                            //  registers only when every loop unrolls fully)
+  for (int i = 0; i < COUNT / 2; i++) {
+    const auto lohi = at::vec::interleave2<float>(x[2 * i], x[2 * i + 1]);
+    x[i] = lohi.first + lohi.second;
+  }
+  if constexpr (COUNT / 2 > 1) transposed_sums_level<COUNT / 2>(x);
+}
+
+FS_INLINE Vf transposed_sums(Vf* x) {
+  transposed_sums_level<kLanes>(x);
+  return x[0];
+}
+
+// p[q][c] = scale * q_q . K[c] for the NQ queries `qs`, every column c < ctx.
+template <int NQ>
+FS_INLINE void chunk_scores(const float* const* qs, const float* K, int64_t ctx, int64_t D, float sf,
+                            float* p, int64_t pstride) {
+  // Four columns x NQ queries of accumulators, summed kLanes at a time. Accumulator a = q * 4 + j
+  // (query q, column c + j) sits at slot_of(a), so that lane a % kLanes of transposed sum
+  // a / kLanes holds it: lanes 4q .. 4q+3 are query q's four scores, stored as one piece.
+  // (Indexed only by loops that unroll fully: GCC then keeps them in registers.)
+  constexpr int kAcc = (NQ * 4 + kLanes - 1) / kLanes * kLanes;
+  const int64_t dv = D - D % kLanes;
+  int64_t c = 0;
+  for (; c + 4 <= ctx; c += 4) {
+    const float* k0 = K + c * D;
+    Vf x[kAcc];
+#pragma GCC unroll 16
+    for (int i = 0; i < kAcc; i++) x[i] = Vf(0.f);
+    for (int64_t d = 0; d < dv; d += kLanes) {
+      const Vf k0d = Vf::loadu(k0 + d), k1d = Vf::loadu(k0 + D + d), k2d = Vf::loadu(k0 + 2 * D + d),
+               k3d = Vf::loadu(k0 + 3 * D + d);
+#pragma GCC unroll 4
+      for (int q = 0; q < NQ; q++) {
+        const Vf qv = Vf::loadu(qs[q] + d);
+        x[slot_of(q * 4 + 0)] = at::vec::fmadd(qv, k0d, x[slot_of(q * 4 + 0)]);
+        x[slot_of(q * 4 + 1)] = at::vec::fmadd(qv, k1d, x[slot_of(q * 4 + 1)]);
+        x[slot_of(q * 4 + 2)] = at::vec::fmadd(qv, k2d, x[slot_of(q * 4 + 2)]);
+        x[slot_of(q * 4 + 3)] = at::vec::fmadd(qv, k3d, x[slot_of(q * 4 + 3)]);
+      }
+    }
+    alignas(64) float r[kAcc];
+    if (dv == D) {
+#pragma GCC unroll 4
+      for (int g = 0; g < kAcc / kLanes; g++) (transposed_sums(x + g * kLanes) * Vf(sf)).store(r + g * kLanes);
+    } else {   // a head dim that is not whole vectors: its last lanes one by one, then the scale
+#pragma GCC unroll 4
+      for (int g = 0; g < kAcc / kLanes; g++) transposed_sums(x + g * kLanes).store(r + g * kLanes);
+      for (int a = 0; a < NQ * 4; a++) {
+        for (int64_t d = dv; d < D; d++) r[a] += qs[a / 4][d] * k0[(a % 4) * D + d];
+        r[a] *= sf;
+      }
+    }
+#pragma GCC unroll 4
+    for (int q = 0; q < NQ; q++) std::memcpy(p + q * pstride + c, r + q * 4, 4 * sizeof(float));
+  }
+  for (; c < ctx; c++) {
+    const float* k0 = K + c * D;
+    for (int q = 0; q < NQ; q++) {
+      Vf a0(0.f);
+      for (int64_t d = 0; d < dv; d += kLanes) a0 = at::vec::fmadd(Vf::loadu(qs[q] + d), Vf::loadu(k0 + d), a0);
+      float r = reduce_sum(a0);
+      for (int64_t d = dv; d < D; d++) r += qs[q][d] * k0[d];
+      p[q * pstride + c] = r * sf;
+    }
+  }
+}
+
+// Scores -> weights exp(s - max), exactly 0 where the query does not see the column; returns
+// their sum, or 0 when it sees none. `p` and the scratch `seen` hold whole vectors (ctx rounded up
+// to kLanes): seen[c] has all bits set where mask[c], and 0 past ctx, so the lanes past ctx load
+// whatever p holds there and blend it away.
+FS_INLINE float softmax_weights(float* p, const bool* mask, int64_t ctx, uint32_t* seen) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t ctx_vec = (ctx + kLanes - 1) / kLanes * kLanes;
+  for (int64_t c = 0; c < ctx; c++) seen[c] = 0u - static_cast<uint32_t>(mask[c]);   // (vectorizes)
+  for (int64_t c = ctx; c < ctx_vec; c++) seen[c] = 0u;
+  Vf m(neg_inf);
+  for (int64_t c = 0; c < ctx_vec; c += kLanes) {
+    const Vf x = Vf::blendv(Vf(neg_inf), Vf::loadu(p + c), Vf::loadu(seen + c));
+    x.store(p + c);
+    m = at::vec::maximum(m, x);
+  }
+  const float mx = at::vec::vec_reduce_all<float>([](Vf& x, Vf& y) { return at::vec::maximum(x, y); }, m);
+  if (mx == neg_inf) return 0.f;
+  Vf total(0.f);
+  for (int64_t c = 0; c < ctx_vec; c += kLanes) {
+    const Vf e = Vf::blendv(Vf(0.f), (Vf::loadu(p + c) - Vf(mx)).exp_u20(), Vf::loadu(seen + c));
+    e.store(p + c);
+    total = total + e;
+  }
+  return reduce_sum(total);
+}
+
+// o_q[d0 : d0 + ND vectors] = sum_c p_q[c] V[c, same], for PQ queries sharing each V load.
+template <int PQ, int ND>
+FS_INLINE void chunk_pv(const float* const* ps, float* const* os, const float* V, int64_t ctx, int64_t D,
+                        int64_t d0) {
+  Vf e[PQ][ND], od[PQ][ND];
+  for (int q = 0; q < PQ; q++)
+    for (int u = 0; u < ND; u++) e[q][u] = od[q][u] = Vf(0.f);
+  int64_t c = 0;
+  for (; c + 2 <= ctx; c += 2) {
+    const float* v0 = V + c * D + d0;
+    for (int u = 0; u < ND; u++) {
+      const Vf x0 = Vf::loadu(v0 + u * kLanes), x1 = Vf::loadu(v0 + D + u * kLanes);
+      for (int q = 0; q < PQ; q++) {
+        e[q][u] = at::vec::fmadd(Vf(ps[q][c]), x0, e[q][u]);
+        od[q][u] = at::vec::fmadd(Vf(ps[q][c + 1]), x1, od[q][u]);
+      }
+    }
+  }
+  if (c < ctx)
+    for (int u = 0; u < ND; u++) {
+      const Vf x0 = Vf::loadu(V + c * D + d0 + u * kLanes);
+      for (int q = 0; q < PQ; q++) e[q][u] = at::vec::fmadd(Vf(ps[q][c]), x0, e[q][u]);
+    }
+  for (int q = 0; q < PQ; q++)
+    for (int u = 0; u < ND; u++) (e[q][u] + od[q][u]).store(os[q] + d0 + u * kLanes);
+}
+
+template <int PQ>
+FS_INLINE void chunk_output(const float* const* ps, float* const* os, const float* V, int64_t ctx,
+                            int64_t D) {
+  const int64_t dv = D - D % kLanes;
+  for (int64_t d0 = 0; d0 < dv; d0 += 4 * kLanes) {
+    switch (std::min<int64_t>(4, (dv - d0) / kLanes)) {
+      case 4: chunk_pv<PQ, 4>(ps, os, V, ctx, D, d0); break;
+      case 3: chunk_pv<PQ, 3>(ps, os, V, ctx, D, d0); break;
+      case 2: chunk_pv<PQ, 2>(ps, os, V, ctx, D, d0); break;
+      default: chunk_pv<PQ, 1>(ps, os, V, ctx, D, d0); break;
+    }
+  }
+  for (int q = 0; q < PQ; q++)
+    for (int64_t d = dv; d < D; d++) {
+      float acc = 0.f;
+      for (int64_t c = 0; c < ctx; c++) acc += ps[q][c] * V[c * D + d];
+      os[q][d] = acc;
+    }
+}
+
 at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_layer, const at::Tensor& v_layer,
                            const at::Tensor& slots, const at::Tensor& mask) {
-  using Vf = at::vec::Vectorized<float>;
-  constexpr int64_t W = Vf::size();
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat, "cache_attention: q must be fp32 [B, N, H, D]");
   TORCH_CHECK(k_layer.dim() == 4 && v_layer.sizes() == k_layer.sizes() && k_layer.scalar_type() == at::kFloat
               && v_layer.scalar_type() == at::kFloat, "cache_attention: K/V must be fp32 [slots, kv_heads, len, D]");
@@ -356,102 +532,59 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_layer, const
   const int64_t* sp = sc.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float sf = 1.f / std::sqrt(static_cast<float>(D));   // SDPA's default scale
-  const int64_t dv = D - D % W;              // whole vectors of a head; the rest lane by lane
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  auto reduce = [](Vf a) { return at::vec::vec_reduce_all<float>([](Vf& x, Vf& y) { return x + y; }, a); };
-  at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> p(ctx);
-    std::vector<uint32_t> seen(ctx);
+  // Chunk size: as many queries as share a load, but keep >= 2 tasks per thread so that few
+  // queries (one AR token: 3 per K/V head) still spread over the threads.
+  const int64_t per_head = N * G;
+  const int64_t fair = (B * KV * per_head) / (2 * std::max<int64_t>(1, at::get_num_threads()));
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>({QK_CHUNK, fair, per_head}));
+  const int64_t chunks = (per_head + chunk - 1) / chunk;
+  const int64_t ctx_vec = (ctx + kLanes - 1) / kLanes * kLanes;   // p's rows: whole vectors
+  at::parallel_for(0, B * KV * chunks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> p(QK_CHUNK * ctx_vec);
+    std::vector<uint32_t> seen(ctx_vec);
     for (int64_t t = t0; t < t1; t++) {
-      const int64_t b = t / H, h = t % H, slot = sp[b];
+      const int64_t b = t / (KV * chunks), kv = (t / chunks) % KV, j0 = (t % chunks) * chunk;
+      const int64_t nq = std::min<int64_t>(chunk, per_head - j0), slot = sp[b];
       TORCH_CHECK(slot >= 0 && slot < S, "cache_attention: slot ", slot, " outside the cache");
-      const float* K = kp + slot * k_layer.stride(0) + (h / G) * L * D;
-      const float* V = vp + slot * v_layer.stride(0) + (h / G) * L * D;
-      for (int64_t n = 0; n < N; n++) {
-        const float* qr = qp + ((b * N + n) * H + h) * D;
-        const bool* mr = mp + (b * N + n) * ctx;
-        float* o = op + (b * N + n) * H * D + h * D;
-        // Scores, four columns at a time: four independent FMA chains hide their latency (one
-        // column after another, a query spent ~40 cycles per column waiting on its chain).
-        int64_t c = 0;
-        for (; c + 4 <= ctx; c += 4) {
-          const float* k0 = K + c * D;
-          Vf a0(0.f), a1(0.f), a2(0.f), a3(0.f);
-          for (int64_t d = 0; d < dv; d += W) {
-            const Vf qv = Vf::loadu(qr + d);
-            a0 = at::vec::fmadd(qv, Vf::loadu(k0 + d), a0);
-            a1 = at::vec::fmadd(qv, Vf::loadu(k0 + D + d), a1);
-            a2 = at::vec::fmadd(qv, Vf::loadu(k0 + 2 * D + d), a2);
-            a3 = at::vec::fmadd(qv, Vf::loadu(k0 + 3 * D + d), a3);
-          }
-          float r[4] = {reduce(a0), reduce(a1), reduce(a2), reduce(a3)};
-          for (int j = 0; j < 4; j++) {
-            for (int64_t d = dv; d < D; d++) r[j] += qr[d] * k0[j * D + d];
-            p[c + j] = r[j] * sf;
-          }
-        }
-        for (; c < ctx; c++) {
-          const float* k0 = K + c * D;
-          Vf a0(0.f);
-          for (int64_t d = 0; d < dv; d += W) a0 = at::vec::fmadd(Vf::loadu(qr + d), Vf::loadu(k0 + d), a0);
-          float r = reduce(a0);
-          for (int64_t d = dv; d < D; d++) r += qr[d] * k0[d];
-          p[c] = r * sf;
-        }
-        // The mask as a vector blend (seen[c]: all bits set where the query sees column c), the
-        // max over whole vectors (exact in any order).
-        for (c = 0; c < ctx; c++) seen[c] = mr[c] ? 0xFFFFFFFFu : 0u;
-        auto seen_at = [&](int64_t i, int64_t count) {
-          float f[W] = {};
-          std::memcpy(f, seen.data() + i, count * sizeof(float));
-          return Vf::loadu(f);
-        };
-        Vf m(neg_inf);
-        for (c = 0; c < ctx; c += W) {
-          const int64_t nc = std::min<int64_t>(W, ctx - c);
-          const Vf x = Vf::blendv(Vf(neg_inf), Vf::loadu(p.data() + c, nc), seen_at(c, nc));
-          x.store(p.data() + c, nc);
-          m = at::vec::maximum(m, x);
-        }
-        const float mx = at::vec::vec_reduce_all<float>([](Vf& x, Vf& y) { return at::vec::maximum(x, y); }, m);
-        if (mx == neg_inf) {
-          std::fill(o, o + D, 0.f);
+      const float* K = kp + slot * k_layer.stride(0) + kv * L * D;
+      const float* V = vp + slot * v_layer.stride(0) + kv * L * D;
+      const float* qs[QK_CHUNK];
+      float* os[QK_CHUNK];
+      const bool* ms[QK_CHUNK];
+      for (int64_t i = 0; i < nq; i++) {
+        const int64_t n = (j0 + i) / G, h = kv * G + (j0 + i) % G;
+        qs[i] = qp + ((b * N + n) * H + h) * D;
+        os[i] = op + (b * N + n) * H * D + h * D;
+        ms[i] = mp + (b * N + n) * ctx;
+      }
+      switch (nq) {
+        case 4: chunk_scores<4>(qs, K, ctx, D, sf, p.data(), ctx_vec); break;
+        case 3: chunk_scores<3>(qs, K, ctx, D, sf, p.data(), ctx_vec); break;
+        case 2: chunk_scores<2>(qs, K, ctx, D, sf, p.data(), ctx_vec); break;
+        default: chunk_scores<1>(qs, K, ctx, D, sf, p.data(), ctx_vec); break;
+      }
+      // Queries that see columns go on to p @ V (compacted); one that sees none gets zeros.
+      const float* ps[QK_CHUNK];
+      float* live[QK_CHUNK];
+      float sums[QK_CHUNK];
+      int64_t nlive = 0;
+      for (int64_t i = 0; i < nq; i++) {
+        float* pi = p.data() + i * ctx_vec;
+        const float sum = softmax_weights(pi, ms[i], ctx, seen.data());
+        if (sum == 0.f) {
+          std::fill(os[i], os[i] + D, 0.f);
           continue;
         }
-        // Weights exp(s - max), exactly 0 where masked; their sum, lane-wise over the vectors
-        // of columns, then across lanes.
-        Vf total(0.f);
-        for (c = 0; c < ctx; c += W) {
-          const int64_t nc = std::min<int64_t>(W, ctx - c);
-          const Vf e = Vf::blendv(Vf(0.f), (Vf::loadu(p.data() + c, nc) - Vf(mx)).exp_u20(), seen_at(c, nc));
-          e.store(p.data() + c, nc);
-          total = total + e;
-        }
-        const float sum = reduce(total);
-        // p @ V: per output vector two sums (even and odd columns) in registers, added at the end.
-        for (int64_t d0 = 0; d0 < dv; d0 += 4 * W) {
-          const int64_t nd = std::min<int64_t>(4, (dv - d0) / W);
-          Vf e[4], od[4];
-          for (int u = 0; u < 4; u++) e[u] = od[u] = Vf(0.f);
-          for (c = 0; c + 2 <= ctx; c += 2) {
-            const Vf w0(p[c]), w1(p[c + 1]);
-            const float* v0 = V + c * D + d0;
-            for (int u = 0; u < nd; u++) {
-              e[u] = at::vec::fmadd(w0, Vf::loadu(v0 + u * W), e[u]);
-              od[u] = at::vec::fmadd(w1, Vf::loadu(v0 + D + u * W), od[u]);
-            }
-          }
-          if (c < ctx)
-            for (int u = 0; u < nd; u++) e[u] = at::vec::fmadd(Vf(p[c]), Vf::loadu(V + c * D + d0 + u * W), e[u]);
-          for (int u = 0; u < nd; u++) (e[u] + od[u]).store(o + d0 + u * W);
-        }
-        for (int64_t d = dv; d < D; d++) {
-          float acc = 0.f;
-          for (c = 0; c < ctx; c++) acc += p[c] * V[c * D + d];
-          o[d] = acc;
-        }
-        const float inv = 1.f / sum;
-        for (int64_t d = 0; d < D; d++) o[d] *= inv;
+        ps[nlive] = pi;
+        live[nlive] = os[i];
+        sums[nlive++] = sum;
+      }
+      int64_t i = 0;
+      for (; i + PV_CHUNK <= nlive; i += PV_CHUNK) chunk_output<PV_CHUNK>(ps + i, live + i, V, ctx, D);
+      for (; i < nlive; i++) chunk_output<1>(ps + i, live + i, V, ctx, D);
+      for (i = 0; i < nlive; i++) {
+        const float inv = 1.f / sums[i];
+        for (int64_t d = 0; d < D; d++) live[i][d] *= inv;
       }
     }
   });

@@ -118,9 +118,11 @@ def test_cache_attention_equals_sdpa_over_the_gathered_slots(isa):
         out = k.ops.cache_attention(q, kc, vc, slots, mask)
         assert out.shape == (B, N, H * D)
         torch.testing.assert_close(out, attend_cache(q, kc, vc, slots, mask), rtol=1e-5, atol=1e-5)
-        # A row's output does not depend on the other rows sharing its call (bit for bit).
-        alone = k.ops.cache_attention(q[-1:, -1:], kc, vc, slots[-1:], mask[-1:, -1:])
-        assert torch.equal(alone, out[-1:, -1:])
+        # A token's output does not depend on the other rows and tokens sharing its call (bit for
+        # bit), wherever it falls among the chunks of queries that share K/V loads.
+        for b, n in [(B - 1, N - 1), (0, 0), (0, N // 2)]:
+            alone = k.ops.cache_attention(q[b:b + 1, n:n + 1], kc, vc, slots[b:b + 1], mask[b:b + 1, n:n + 1])
+            assert torch.equal(alone, out[b:b + 1, n:n + 1])
     # A query that sees no column gets zeros; a slot outside the cache is refused.
     mask[0, 0] = False
     assert not k.ops.cache_attention(q, kc, vc, slots, mask)[0, 0].any()

@@ -179,9 +179,11 @@ def attend_cache(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, 
 # reference is `attend_cache` and which the backend swaps for the kernel's cache_attention (reads
 # each slot's K/V in place instead of gathering copies). None: `attend_cache` everywhere.
 _CPU_ATTENTION = None
-# The kernel computes one query at a time; past 8 new tokens per row, SDPA's blocked products over
-# the gathered copy win (SmolLM2-135M fp32, ctx 256, 2 threads: 8 tokens 31.8 vs 33.4 ms a
-# forward, 16 tokens 42.5 vs 39.4 ms). The choice is made per step shape, at trace time.
+# The kernel computes each query's sums alone (its K/V loads shared by a few queries); past 8 new
+# tokens per row, SDPA's blocked products over the gathered copy are as fast or faster
+# (SmolLM2-135M fp32, ctx 256, 2 threads, two alternated `fastspec profile` runs per side with
+# the cap at 8 and at 64: 16 tokens 0.97-0.99x, 32 tokens 0.94-0.97x the SDPA forward's speed).
+# The choice is made per step shape, at trace time.
 CPU_ATTENTION_MAX_QUERIES = 8
 
 
