@@ -82,6 +82,7 @@ class RunStats:
     new_tokens: int = 0
     forwards: int = 0
     rounds: int = 0
+    steps: int = 0                  # keyed steps the rounds ran (one per group of joined plans)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     wall_s: float = 0.0
@@ -186,6 +187,34 @@ def compact_path(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, lengths:
     for cache in (k, v):
         moved = cache[:, slots[:, None], :, src]          # [layers, S, D, heads, hd]
         cache[:, slots[:, None], :, dst] = moved
+
+
+def join_groups(groups: dict[Plan, list], cost: Callable[[int, Plan], float]) -> dict[Plan, list]:
+    """Steps for a round's groups of equal plans: each group is a step of its own, and every step
+    pays a read of the weights, so groups of one variant join a wider one's step (each row keeps
+    its own block inside it) while the joined step costs less than the two apart. cost(rows, plan):
+    ms of a step of `rows` rows at the plan's width. Widest first, each group joins the step
+    before it or starts the next:
+
+        {8: 3 rows, 4: 1 row, 2: 1 row}, weights-bound costs (CPU, small batch):
+            T(4, 8) < T(3, 8) + T(1, 4) -> join; T(5, 8) < T(4, 8) + T(1, 2) -> join: one step
+        same, token-bound costs (large batch x width): every group apart.
+    """
+    variants: dict[str, list[tuple[Plan, list]]] = {}
+    for plan, members in groups.items():
+        variants.setdefault(plan.variant, []).append((plan, members))
+    joined: dict[Plan, list] = {}
+    for items in variants.values():
+        items.sort(key=lambda pm: -pm[0].block)
+        plan, members = items[0][0], list(items[0][1])
+        for nxt, rows in items[1:]:
+            if cost(len(members) + len(rows), plan) < cost(len(members), plan) + cost(len(rows), nxt):
+                members += rows
+            else:
+                joined[plan] = members
+                plan, members = nxt, list(rows)
+        joined[plan] = members
+    return joined
 
 
 class Engine:
@@ -623,6 +652,13 @@ class Engine:
             for seq, plan in zip(running, meth.plan_round(running)):
                 seq.block = plan.block
                 groups.setdefault(plan if meth.bucketing else Plan(0, plan.variant), []).append(seq)
+            if meth.bucketing and meth.join_steps and len(groups) > 1:
+                groups = join_groups(groups, lambda rows, plan: meth.forwards_for(plan.variant)
+                                     * self.forward_cost(batch_bucket(rows), meth.step_width(plan)))
+                if meth.widen_joined:       # the step's width is paid anyway: every row uses it
+                    for plan, members in groups.items():
+                        for seq in members:
+                            seq.block = plan.block
             results = []
             for plan, members in groups.items():
                 # Committed length <= prompt + outputs (the last output is the pending seed).
@@ -630,6 +666,7 @@ class Engine:
                 out = self.run_group(meth, plan, [q.slot for q in members],
                                      [q.block for q in members], C, longest)
                 results.append((plan, members, out))
+            stats.steps += len(results)
             self.last_round = results[0][2]
             self.last_rounds = results
             # One host read per round: every row's tokens, counts, accepted drafts, host values.

@@ -161,3 +161,11 @@ def test_bastion_sampling_matches_ar_sampling(engine):
         small_tv = tv(first(ar[:small], k), first(tree[:small], k))
         assert large <= null_quantile(first(ar, k), first(tree, k)), (k, large)
         assert large < small_tv, (k, large, small_tv)
+
+
+def test_a_step_writes_its_draft_block_then_its_tree():
+    """A budget's step writes the draft block, then a tree of `budget` nodes over the same
+    columns: its width (attention reach, and the price the engine joins budgets at) is the larger."""
+    from fastspec.methods.base import Plan
+    m = BASTION(block=16, draft_block=8, budgets=(4, 8, 16, 32))
+    assert [m.step_width(Plan(b)) for b in (4, 8, 16, 32)] == [8, 8, 16, 32]

@@ -199,3 +199,80 @@ def test_a_step_compiled_mid_run_counts_as_warm_up_not_as_request_time(tiny, mon
                           concurrency=3)
     assert all(0 < c.latency_s < 0.3 for c in out), [c.latency_s for c in out]
     assert engine.last_stats.decode_s < 0.3 and engine.last_stats.warmup_s >= 0.4
+
+
+# --- joining groups of plans into steps ------------------------------------------------------
+def weights_bound(rows: int, plan) -> float:
+    """A CPU-like step: the weights' read dominates, each token adds a little."""
+    return 30.0 + 0.2 * rows * plan.block
+
+
+def tokens_bound(rows: int, plan) -> float:
+    """A step whose time is its tokens (large batch x width)."""
+    return 1.0 * rows * plan.block
+
+
+def test_groups_join_a_wider_step_only_when_one_step_costs_less_than_two():
+    from fastspec.engine import join_groups
+    from fastspec.methods.base import Plan
+    groups = {Plan(4): ["a"], Plan(8): ["b", "c", "d"], Plan(2): ["e"], Plan(8, "hit"): ["f"],
+              Plan(4, "hit"): ["g"]}
+    # Weights-bound: every variant runs as one step at its widest plan, its rows in plan order.
+    assert join_groups(groups, weights_bound) == {Plan(8): ["b", "c", "d", "a", "e"],
+                                                  Plan(8, "hit"): ["f", "g"]}
+    # Token-bound: T(4, 8) = 32 > T(3, 8) + T(1, 4) = 28: nothing joins.
+    assert join_groups(groups, tokens_bound) == groups
+    # Mixed: the row of 4 joins the 4 rows of 8 (T(5, 8) = 38 < 36.4 + 30.8); the row of 2 then
+    # stays apart (T(6, 8) = 80 > T(5, 8) + T(1, 2) = 68.4).
+    costs = {(5, 8): 38.0, (4, 8): 36.4, (1, 4): 30.8, (6, 8): 80.0, (1, 2): 30.4}
+    table = lambda rows, plan: costs[(rows, plan.block)]  # noqa: E731
+    assert join_groups({Plan(8): list("abcd"), Plan(4): ["e"], Plan(2): ["f"]}, table) == \
+        {Plan(8): list("abcde"), Plan(2): ["f"]}
+
+
+@pytest.mark.parametrize("cost, one_step", [(weights_bound, True), (tokens_bound, False)])
+def test_libraspec_widths_join_one_step_on_weights_bound_costs_and_stay_lossless(cost, one_step):
+    """LibraSpec's requests choose different widths: on a CPU-like profile they still run as
+    one step per round (two forwards a round), on a token-bound one each width apart."""
+    from fastspec.methods.libraspec import LibraSpec
+    from helpers import copy_model
+    t = copy_model()
+    engine = Engine(t, backend="eager")
+    engine._forward_cost = lambda rows, tokens: cost(rows, type("P", (), {"block": tokens}))
+    rng = random.Random(1)
+    ps = [[rng.randrange(3, 32) for _ in range(rng.randrange(2, 9))] for _ in range(6)]
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    ar = engine.generate(ps, params, method="ar", concurrency=4)
+    m = LibraSpec(block=4)
+    out = engine.generate(ps, params, method=m, concurrency=4)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    assert len(m.report()["width_share"]) >= 2            # the requests did choose apart
+    st = engine.last_stats
+    assert (st.steps == st.rounds) == one_step
+
+
+@pytest.mark.parametrize("widen", [True, False])
+def test_rows_of_a_joined_step_use_its_whole_width_when_the_method_says_so(widen):
+    """LibraSpec widens: in a joined step every row verifies the step's width (free there); a
+    method that does not keeps each row's own block (ragged blocks in one step)."""
+    from fastspec.methods.libraspec import LibraSpec
+    from helpers import copy_model
+    t = copy_model()
+    engine = Engine(t, backend="eager")
+    # Tokens cost enough that rows choose different widths in one round, not enough to keep the
+    # widths apart: T(4, 8) = 94 < T(2, 8) + T(2, 4) = 108.
+    engine._forward_cost = lambda rows, tokens: 30.0 + 2.0 * rows * tokens
+    calls = []
+    run_group = engine.run_group
+    engine.run_group = lambda meth, plan, slots, blocks, *a: (calls.append((plan.block, list(blocks))),
+                                                             run_group(meth, plan, slots, blocks, *a))[1]
+    rng = random.Random(1)
+    ps = [[rng.randrange(3, 32) for _ in range(rng.randrange(2, 9))] for _ in range(6)]
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    ar = Engine(t, backend="eager").generate(ps, params, method="ar", concurrency=4)
+    m = LibraSpec(block=4)
+    m.widen_joined = widen
+    out = engine.generate(ps, params, method=m, concurrency=4)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    ragged = [blocks for width, blocks in calls if any(b != width for b in blocks)]
+    assert (not ragged) == widen

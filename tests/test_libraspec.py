@@ -351,3 +351,11 @@ def test_sampled_libraspec_follows_ar_sampling_law(law_engine):
         [([s[k] for s in ar], [s[k] for s in lib]) for k in range(3, 6)]
     for a, b in pairs:
         assert tv(a, b) <= null_quantile(a, b), (tv(a, b), null_quantile(a, b))
+
+
+def test_a_step_writes_and_is_priced_at_its_own_width():
+    """A width's step writes (and attends past the prefix) only its own width; the engine prices
+    joining widths with it."""
+    from fastspec.methods.base import Plan
+    m = LibraSpec(block=4)
+    assert [m.step_width(Plan(b)) for b in (2, 4, 8, 16)] == [2, 4, 8, 16]

@@ -79,6 +79,12 @@ class Method:
     # False: one step for every row, at the widest block any of them drafts this round, padded
     # to the bucket of the whole batch (one key per block size, however requests drain).
     bucketing = False
+    # With bucketing: groups of one variant still join one step when the device profile says
+    # that is cheaper than separate steps (engine.join_groups). False: every plan its own step.
+    join_steps = True
+    # In a joined step, every row drafts/verifies the step's whole width (it costs nothing more
+    # there) instead of its own plan's block.
+    widen_joined = False
     timed = False                   # True: the planner reads measured step times (costs a sync on GPU)
 
     def __init__(self, block: int = 16):

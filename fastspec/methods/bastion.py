@@ -139,6 +139,9 @@ class BASTION(DrafterChoice, Method):
     def max_width(self) -> int:
         return max(max(self.budgets), self.draft_block)
 
+    def step_width(self, plan: Plan) -> int:
+        return max(plan.block, self.draft_block)      # the draft block, then a tree of plan.block nodes
+
     def report(self) -> dict:
         """Average tree sizes (nodes the rule wanted, nodes laid out, budget) and tokens per round."""
         st = self.stats

@@ -102,6 +102,9 @@ class LibraSpec(DrafterChoice, LinearSS):
     name = "libraspec"
     layout = "linear"               # LinearSS's two forwards; the GraphKey names the method
     bucketing = True                # each width its own step over its own rows
+    # ... unless one step is cheaper than several (engine.join_groups): then each row verifies
+    # the joined step's width, the stop rule's own answer when the extra tokens cost nothing.
+    widen_joined = True
     forwards = 2
 
     def __init__(self, block: int = 8, blocks: tuple[int, ...] | int = BLOCK_SIZES,
@@ -168,6 +171,9 @@ class LibraSpec(DrafterChoice, LinearSS):
 
     def max_block(self) -> int:
         return max(self.blocks)
+
+    def step_width(self, plan: Plan) -> int:
+        return plan.block                              # draft and verify both write the width
 
     def width_for(self, gamma: int, capped: bool) -> int:
         """The next verify width: the smallest block holding γ + 1 tokens (one more when the rule

@@ -126,6 +126,10 @@ class RecGuide(LinearSS):
     name = "recguide"
     layout = "overlap"
     bucketing = True
+    # plan_round already weighs one common step (every row at one block) against the split, on
+    # measured step times; a joined step of ragged blocks is never better than its common block
+    # at the widest (a longer block only adds drafts), so the engine does not join its groups.
+    join_steps = False
     timed = True                    # the gate and the block chooser read measured step times
 
     def __init__(self, block: int = 8, threshold: float = 0.5, max_corrections: int = 2,
