@@ -13,7 +13,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import re
 import subprocess
 import time
@@ -22,6 +21,7 @@ import torch
 from torch.utils.cpp_extension import load_inline
 
 from fastspec.graphs import kernels
+from fastspec.graphs.profile import device_name
 
 SHAPES = [(1, 1, 264), (1, 8, 264), (1, 16, 272), (1, 32, 288), (4, 8, 264)]   # (batch, new tokens, ctx)
 
@@ -84,7 +84,7 @@ def main() -> None:
         print(f"{args.isa} batch {b} tokens {n:2d} ctx {ctx}: {row['before_us']:7.1f} -> {row['after_us']:7.1f} us "
               f"(x{row['speedup']:.2f}), bit-identical {row['bit_identical']}", flush=True)
     if args.out:
-        env = {"cpu": platform.processor() or platform.machine(), "isa": args.isa, "threads": args.threads,
+        env = {"device": device_name("cpu"), "isa": args.isa, "threads": args.threads,
                "torch": torch.__version__, "against": args.against,
                "command": f"python -m fastspec.graphs.attn_ab --against {args.against} --isa {args.isa}"}
         with open(args.out, "w") as f:

@@ -1,0 +1,96 @@
+"""Paired A/B of decoding methods in one process: the same requests, the arms' runs alternated
+(rep 1: A B C ..., rep 2: A B C ...), so a noisy machine's drift hits every arm alike.
+
+    FASTSPEC_DATA=../shared/data/benchmarks python -m fastspec.graphs.method_ab \\
+        --arm "libraspec@join_steps=1" --arm "libraspec@join_steps=0" \\
+        --arm "bastion@join_steps=1" --arm "bastion@join_steps=0" --concurrency 2,4 \\
+        --out results/join_ab_c2c4.json
+
+An arm is a `--method` spec, optionally with `@attr=value` overrides set on the method instance
+before each of its runs (arms that share a spec share one instance, so its compiled steps).
+Prompts: the first --limit of GSM8K and of MATH-500, chat-rendered; greedy; every run is checked
+token for token against AR at the same concurrency. Per arm and C: tok/s of each rep, τ, steps per
+round, and whether every request equalled AR."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from fastspec.engine import Engine
+from fastspec.evals.data import load_benchmark
+from fastspec.evals.prompts import build_messages
+from fastspec.graphs import kernels
+from fastspec.graphs.profile import device_name
+from fastspec.model.loader import load_model
+from fastspec.sampling import SamplingParams
+
+
+def parse_arm(arm: str) -> tuple[str, dict]:
+    """"libraspec@join_steps=0@widen_joined=1" -> ("libraspec", {"join_steps": 0, "widen_joined": 1})."""
+    spec, *sets = arm.split("@")
+    attrs = {}
+    for s in sets:
+        name, _, value = s.partition("=")
+        attrs[name] = int(value) if value.lstrip("-").isdigit() else value
+    return spec, attrs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arm", action="append", required=True, help="method spec[@attr=value...]")
+    ap.add_argument("--concurrency", default="1")
+    ap.add_argument("--limit", type=int, default=4, help="prompts per benchmark (GSM8K, MATH-500)")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    eng = Engine(load_model(args.model), backend="compile")
+    probs = load_benchmark("gsm8k", limit=args.limit) + load_benchmark("math500", limit=args.limit)
+    prompts = [eng.render_chat(build_messages(p)) for p in probs]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    arms = [(a, *parse_arm(a)) for a in args.arm]
+    rows = []
+    for c in [int(x) for x in args.concurrency.split(",")]:
+        ar = [x.token_ids for x in eng.generate(prompts, params, method="ar", concurrency=c)]
+        for _, spec, attrs in arms:          # warm every arm's steps before any timing
+            m = eng.method(spec)
+            for k, v in attrs.items():
+                setattr(m, k, v)
+            eng.generate(prompts[:c], SamplingParams(max_new_tokens=16), method=m, concurrency=c)
+        res = {a: {"arm": a, "concurrency": c, "tok_s": [], "tau": [], "steps_per_round": [],
+                   "identical_to_ar": True} for a, _, _ in arms}
+        for rep in range(args.reps):
+            for a, spec, attrs in arms:
+                m = eng.method(spec)
+                for k, v in attrs.items():
+                    setattr(m, k, v)
+                out = eng.generate(prompts, params, method=m, concurrency=c)
+                st, r = eng.last_stats, res[a]
+                r["tok_s"].append(round(st.tokens_per_s, 1))
+                r["tau"].append(round(sum(sum(x.accept_lengths) for x in out)
+                                      / max(sum(len(x.accept_lengths) for x in out), 1), 3))
+                r["steps_per_round"].append(round(st.steps / max(st.rounds, 1), 3))
+                r["identical_to_ar"] &= [x.token_ids for x in out] == ar
+                print(f"C={c} rep {rep + 1} {a}: {r['tok_s'][-1]} tok/s, tau {r['tau'][-1]}, "
+                      f"steps/round {r['steps_per_round'][-1]}, identical to AR {r['identical_to_ar']}",
+                      flush=True)
+        for r in res.values():
+            r["mean_tok_s"] = round(sum(r["tok_s"]) / len(r["tok_s"]), 1)
+            rows.append(r)
+    if args.out:
+        env = {"device": device_name("cpu"), "kernel": kernels.kernel_path(),
+               "threads": torch.get_num_threads(), "torch": torch.__version__, "model": args.model,
+               "prompts": f"first {args.limit} of gsm8k and math500", "max_new_tokens": args.max_new_tokens,
+               "command": "python -m fastspec.graphs.method_ab " + " ".join(
+                   [f'--arm "{a}"' for a in args.arm]
+                   + [f"--concurrency {args.concurrency} --limit {args.limit} "
+                      f"--max-new-tokens {args.max_new_tokens} --reps {args.reps}"])}
+        with open(args.out, "w") as f:
+            json.dump({"environment": env, "arms": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
