@@ -25,6 +25,7 @@ from fastspec.graphs import kernels
 from fastspec.graphs.profile import device_name
 from fastspec.model.loader import load_model
 from fastspec.sampling import SamplingParams
+from fastspec.weights import PRECISIONS, apply_weight_precision
 
 
 def parse_arm(arm: str) -> tuple[str, dict]:
@@ -45,9 +46,13 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--weights", default="fp32", choices=PRECISIONS,
+                    help="big linear weights' precision (every arm and AR run on the same ones)")
     ap.add_argument("--out")
     args = ap.parse_args()
-    eng = Engine(load_model(args.model), backend="compile")
+    loaded = load_model(args.model)
+    apply_weight_precision(loaded.model, args.weights)     # before the Engine: its runner packs them
+    eng = Engine(loaded, backend="compile")
     probs = load_benchmark("gsm8k", limit=args.limit) + load_benchmark("math500", limit=args.limit)
     prompts = [eng.render_chat(build_messages(p)) for p in probs]
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
@@ -83,10 +88,11 @@ def main() -> None:
     if args.out:
         env = {"device": device_name("cpu"), "kernel": kernels.kernel_path(),
                "threads": torch.get_num_threads(), "torch": torch.__version__, "model": args.model,
+               "weights": args.weights,
                "prompts": f"first {args.limit} of gsm8k and math500", "max_new_tokens": args.max_new_tokens,
                "command": "python -m fastspec.graphs.method_ab " + " ".join(
                    [f'--arm "{a}"' for a in args.arm]
-                   + [f"--concurrency {args.concurrency} --limit {args.limit} "
+                   + [f"--concurrency {args.concurrency} --limit {args.limit} --weights {args.weights} "
                       f"--max-new-tokens {args.max_new_tokens} --reps {args.reps}"])}
         with open(args.out, "w") as f:
             json.dump({"environment": env, "arms": rows}, f, indent=1)

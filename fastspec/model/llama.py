@@ -181,8 +181,9 @@ def attend_cache(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, 
 _CPU_ATTENTION = None
 # The kernel computes each query's sums alone (its K/V loads shared by a few queries); past 8 new
 # tokens per row, SDPA's blocked products over the gathered copy are as fast or faster
-# (SmolLM2-135M fp32, ctx 256, 2 threads, two alternated `fastspec profile` runs per side with
-# the cap at 8 and at 64: 16 tokens 0.97-0.99x, 32 tokens 0.94-0.97x the SDPA forward's speed).
+# at batch 1 (SmolLM2-135M fp32, ctx 256, 2 threads, alternated `fastspec profile` runs with the
+# cap at 8 and at 64: 16 tokens 0.97-0.99x, 32 tokens 0.94-0.97x the SDPA forward's speed; at
+# batch 4 the kernel was 1.00-1.08x, one pair only).
 # The choice is made per step shape, at trace time.
 CPU_ATTENTION_MAX_QUERIES = 8
 
