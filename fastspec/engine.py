@@ -653,8 +653,8 @@ class Engine:
                 seq.block = plan.block
                 groups.setdefault(plan if meth.bucketing else Plan(0, plan.variant), []).append(seq)
             if meth.bucketing and meth.join_steps and len(groups) > 1:
-                groups = join_groups(groups, lambda rows, plan: meth.forwards_for(plan.variant)
-                                     * self.forward_cost(batch_bucket(rows), meth.step_width(plan)))
+                groups = join_groups(groups, lambda rows, plan: meth.step_cost(batch_bucket(rows), plan,
+                                                                               self.forward_cost))
                 if meth.widen_joined:       # the step's width is paid anyway: every row uses it
                     for plan, members in groups.items():
                         for seq in members:

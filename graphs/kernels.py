@@ -505,6 +505,15 @@ FS_INLINE void chunk_output(const float* const* ps, float* const* os, const floa
     }
 }
 
+// chunk_scores<nq> for a run-time nq <= NQ (only the instances this ISA's chunks can reach).
+template <int NQ>
+FS_INLINE void scores_of_chunk(int64_t nq, const float* const* qs, const float* K, int64_t ctx, int64_t D,
+                               float sf, float* p, int64_t pstride) {
+  if constexpr (NQ > 1)
+    if (nq < NQ) return scores_of_chunk<NQ - 1>(nq, qs, K, ctx, D, sf, p, pstride);
+  chunk_scores<NQ>(qs, K, ctx, D, sf, p, pstride);
+}
+
 at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_layer, const at::Tensor& v_layer,
                            const at::Tensor& slots, const at::Tensor& mask) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat, "cache_attention: q must be fp32 [B, N, H, D]");
@@ -557,12 +566,7 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_layer, const
         os[i] = op + (b * N + n) * H * D + h * D;
         ms[i] = mp + (b * N + n) * ctx;
       }
-      switch (nq) {
-        case 4: chunk_scores<4>(qs, K, ctx, D, sf, p.data(), ctx_vec); break;
-        case 3: chunk_scores<3>(qs, K, ctx, D, sf, p.data(), ctx_vec); break;
-        case 2: chunk_scores<2>(qs, K, ctx, D, sf, p.data(), ctx_vec); break;
-        default: chunk_scores<1>(qs, K, ctx, D, sf, p.data(), ctx_vec); break;
-      }
+      scores_of_chunk<QK_CHUNK>(nq, qs, K, ctx, D, sf, p.data(), ctx_vec);
       // Queries that see columns go on to p @ V (compacted); one that sees none gets zeros.
       const float* ps[QK_CHUNK];
       float* live[QK_CHUNK];

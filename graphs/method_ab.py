@@ -57,22 +57,31 @@ def main() -> None:
     prompts = [eng.render_chat(build_messages(p)) for p in probs]
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     arms = [(a, *parse_arm(a)) for a in args.arm]
+    # Arms of one spec share its instance: before each run every attribute any of them sets is
+    # put back to the arm's value or the instance's own, so no override leaks into another arm.
+    defaults: dict[str, dict] = {}
+    for _, spec, attrs in arms:
+        m = eng.method(spec)
+        for name in attrs:
+            defaults.setdefault(spec, {}).setdefault(name, getattr(m, name))
+
+    def arm_method(spec: str, attrs: dict):
+        m = eng.method(spec)
+        for name, default in defaults.get(spec, {}).items():
+            setattr(m, name, attrs.get(name, default))
+        return m
+
     rows = []
     for c in [int(x) for x in args.concurrency.split(",")]:
         ar = [x.token_ids for x in eng.generate(prompts, params, method="ar", concurrency=c)]
         for _, spec, attrs in arms:          # warm every arm's steps before any timing
-            m = eng.method(spec)
-            for k, v in attrs.items():
-                setattr(m, k, v)
-            eng.generate(prompts[:c], SamplingParams(max_new_tokens=16), method=m, concurrency=c)
+            eng.generate(prompts[:c], SamplingParams(max_new_tokens=16), method=arm_method(spec, attrs),
+                         concurrency=c)
         res = {a: {"arm": a, "concurrency": c, "tok_s": [], "tau": [], "steps_per_round": [],
                    "identical_to_ar": True} for a, _, _ in arms}
         for rep in range(args.reps):
             for a, spec, attrs in arms:
-                m = eng.method(spec)
-                for k, v in attrs.items():
-                    setattr(m, k, v)
-                out = eng.generate(prompts, params, method=m, concurrency=c)
+                out = eng.generate(prompts, params, method=arm_method(spec, attrs), concurrency=c)
                 st, r = eng.last_stats, res[a]
                 r["tok_s"].append(round(st.tokens_per_s, 1))
                 r["tau"].append(round(sum(sum(x.accept_lengths) for x in out)

@@ -169,3 +169,6 @@ def test_a_step_writes_its_draft_block_then_its_tree():
     from fastspec.methods.base import Plan
     m = BASTION(block=16, draft_block=8, budgets=(4, 8, 16, 32))
     assert [m.step_width(Plan(b)) for b in (4, 8, 16, 32)] == [8, 8, 16, 32]
+    # Its round is priced as what it runs: the draft forward, then the tree's (not twice the wider).
+    T = lambda rows, tokens: 10.0 * rows + tokens  # noqa: E731
+    assert m.step_cost(2, Plan(32), T) == T(2, 8) + T(2, 32) == 80.0

@@ -252,11 +252,16 @@ def test_libraspec_widths_join_one_step_on_weights_bound_costs_and_stay_lossless
 
 
 @pytest.mark.parametrize("widen", [True, False])
-def test_rows_of_a_joined_step_use_its_whole_width_when_the_method_says_so(widen):
+def test_rows_of_a_joined_step_use_its_whole_width_when_the_method_says_so(widen, monkeypatch):
     """LibraSpec widens: in a joined step every row verifies the step's width (free there); a
     method that does not keeps each row's own block (ragged blocks in one step)."""
+    import fastspec.engine as engine_module
     from fastspec.methods.libraspec import LibraSpec
     from helpers import copy_model
+    joins = []
+    join_groups = engine_module.join_groups
+    monkeypatch.setattr(engine_module, "join_groups", lambda groups, cost: (
+        joins.append(len(groups) - len(out := join_groups(groups, cost))), out)[1])
     t = copy_model()
     engine = Engine(t, backend="eager")
     # Tokens cost enough that rows choose different widths in one round, not enough to keep the
@@ -274,5 +279,6 @@ def test_rows_of_a_joined_step_use_its_whole_width_when_the_method_says_so(widen
     m.widen_joined = widen
     out = engine.generate(ps, params, method=m, concurrency=4)
     assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    assert sum(joins) > 0                                  # rows of different widths did join
     ragged = [blocks for width, blocks in calls if any(b != width for b in blocks)]
     assert (not ragged) == widen

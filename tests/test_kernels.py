@@ -130,6 +130,41 @@ def test_cache_attention_equals_sdpa_over_the_gathered_slots(isa):
         k.ops.cache_attention(q, kc, vc, torch.tensor([S]), mask)
 
 
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+def test_cache_attention_chunks_of_queries_change_no_query(isa):
+    """SmolLM2's shape (9 heads over 3 K/V heads of 64, whole vectors): at 2 threads the 8 tokens
+    x 3 heads of a K/V head go in chunks of several queries that share the K/V loads. Every
+    token equals itself computed alone, bit for bit, and a query that sees nothing gets zeros
+    without disturbing the others of its chunk."""
+    from fastspec.model.llama import attend_cache
+    k = kernels.load(isa)
+    g = torch.Generator().manual_seed(1)
+    B, N, H, KV, D, L, ctx = 2, 8, 9, 3, 64, 48, 40
+    cache = torch.randn(2, B + 1, KV, L, D, generator=g)
+    q = torch.randn(B, N, H, D, generator=g)
+    slots = torch.tensor([2, 0])
+    mask = torch.rand(B, N, ctx, generator=g) < 0.7
+    mask[..., 0] = True
+    mask[1, 5] = False                                 # a query (3 heads) that sees no column
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = k.ops.cache_attention(q, cache[0], cache[1], slots, mask)
+        for b in range(B):
+            for n in range(N):
+                alone = k.ops.cache_attention(q[b:b + 1, n:n + 1], cache[0], cache[1], slots[b:b + 1],
+                                              mask[b:b + 1, n:n + 1])
+                assert torch.equal(alone, out[b:b + 1, n:n + 1]), (b, n)
+    finally:
+        torch.set_num_threads(threads)
+    assert not out[1, 5].any()
+    live = torch.ones(B, N, dtype=torch.bool)
+    live[1, 5] = False
+    ref = attend_cache(q, cache[0], cache[1], slots, mask)
+    torch.testing.assert_close(out[live], ref[live], rtol=1e-5, atol=1e-5)
+
+
 NEON_HARNESS = r"""
 #include <cmath>
 #include <cstdio>

@@ -355,7 +355,8 @@ def test_sampled_libraspec_follows_ar_sampling_law(law_engine):
 
 def test_a_step_writes_and_is_priced_at_its_own_width():
     """A width's step writes (and attends past the prefix) only its own width; the engine prices
-    joining widths with it."""
+    joining widths with it: two forwards of that width."""
     from fastspec.methods.base import Plan
     m = LibraSpec(block=4)
     assert [m.step_width(Plan(b)) for b in (2, 4, 8, 16)] == [2, 4, 8, 16]
+    assert m.step_cost(4, Plan(8), lambda rows, tokens: rows * 100 + tokens) == 2 * 408

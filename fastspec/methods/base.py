@@ -125,8 +125,15 @@ class Method:
 
     def step_width(self, plan: Plan) -> int:
         """New tokens per row the step of `plan` writes (its attention context reaches that far
-        past the rows' committed lengths, and no further: attention is paid per column)."""
-        return self.max_width()
+        past the rows' committed lengths, and no further: attention is paid per column). A
+        bucketing method's step is its plan's block wide (Engine.run_group); a step of the
+        whole batch may write up to max_width."""
+        return plan.block if self.bucketing else self.max_width()
+
+    def step_cost(self, rows: int, plan: Plan, forward_ms: Callable[[int, int], float]) -> float:
+        """ms of one round's step of `plan` over `rows` batch rows, from forward_ms(rows, tokens)
+        of one forward: what the engine weighs when it joins groups (engine.join_groups)."""
+        return self.forwards_for(plan.variant) * forward_ms(rows, self.step_width(plan))
 
     def timed_step(self, rows: int, width: int, variant: str, ms: float) -> None:
         """A step of this method just ran in `ms` (timed methods only; compiles excluded)."""

@@ -57,6 +57,7 @@ class BASTION(DrafterChoice, Method):
     layout = "tree"
     forwards = 2
     bucketing = True
+    widen_joined = True             # (its round builds every tree to the step's width anyway)
 
     def __init__(self, block: int = 16, draft_block: int = 8, top_k: int = 8,
                  budgets: tuple[int, ...] = BUDGETS, fill: bool = True, drafter: str = "self",
@@ -141,6 +142,9 @@ class BASTION(DrafterChoice, Method):
 
     def step_width(self, plan: Plan) -> int:
         return max(plan.block, self.draft_block)      # the draft block, then a tree of plan.block nodes
+
+    def step_cost(self, rows: int, plan: Plan, forward_ms) -> float:
+        return forward_ms(rows, self.draft_block) + forward_ms(rows, plan.block)
 
     def report(self) -> dict:
         """Average tree sizes (nodes the rule wanted, nodes laid out, budget) and tokens per round."""

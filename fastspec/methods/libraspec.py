@@ -172,9 +172,6 @@ class LibraSpec(DrafterChoice, LinearSS):
     def max_block(self) -> int:
         return max(self.blocks)
 
-    def step_width(self, plan: Plan) -> int:
-        return plan.block                              # draft and verify both write the width
-
     def width_for(self, gamma: int, capped: bool) -> int:
         """The next verify width: the smallest block holding γ + 1 tokens (one more when the rule
         was still extending at the last draft it could see), else the widest."""
