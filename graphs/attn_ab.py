@@ -10,7 +10,6 @@ are bit-identical."""
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -18,7 +17,6 @@ import subprocess
 import time
 
 import torch
-from torch.utils.cpp_extension import load_inline
 
 from fastspec.graphs import kernels
 from fastspec.graphs.profile import device_name
@@ -36,15 +34,8 @@ def kernel_source(rev: str) -> str:
 
 def build(source: str, isa: str, tag: str):
     """Build `source` for `isa` under the op namespace fsab_<tag>_<isa>; its cache_attention op."""
-    spec = kernels.ISAS[isa]
     ns = f"fsab_{tag}_{isa}"
-    cflags = ["-O3", "-DNDEBUG", f"-DFASTSPEC_ISA_{isa.upper()}", f"-DFASTSPEC_NS={ns}", *spec.cflags,
-              *kernels._OPENMP]
-    name = f"{ns}_{hashlib.sha1((source + ' '.join(cflags)).encode()).hexdigest()[:10]}"
-    directory = os.path.join(kernels._build_dir(), name)
-    os.makedirs(directory, exist_ok=True)
-    load_inline(name=name, cpp_sources=[source], build_directory=directory, extra_cflags=cflags,
-                extra_ldflags=list(kernels._OPENMP), is_python_module=False)
+    kernels.build(source, isa, ns, prefix=f"fsab_{tag}")
     return getattr(torch.ops, ns).cache_attention
 
 

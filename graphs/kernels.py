@@ -738,22 +738,29 @@ def _attention_fake(q, k_layer, v_layer, slots, mask):
     return q.new_empty((B, N, H * D))
 
 
+def build(source: str, isa: str, ns: str, prefix: str = "fastspec_skinny") -> None:
+    """Compile (once; cached on disk by a digest of source, flags and torch) and load a kernel
+    source for `isa` whose ops register under torch.ops.<ns>. `load` builds `_CPP`; an A/B tool
+    builds another revision's source under its own namespace beside it (graphs/attn_ab.py)."""
+    from torch.utils.cpp_extension import load_inline
+
+    cflags = ["-O3", "-DNDEBUG", f"-DFASTSPEC_ISA_{isa.upper()}", f"-DFASTSPEC_NS={ns}",
+              *ISAS[isa].cflags, *_OPENMP]
+    digest = hashlib.sha1((source + " ".join(cflags) + torch.__version__).encode()).hexdigest()[:12]
+    name = f"{prefix}_{isa}_{digest}"
+    directory = os.path.join(_build_dir(), name)
+    os.makedirs(directory, exist_ok=True)
+    load_inline(name=name, cpp_sources=[source], functions=None, build_directory=directory,
+                extra_cflags=cflags, extra_ldflags=list(_OPENMP), is_python_module=False, verbose=False)
+
+
 @functools.cache
 def load(isa: str) -> Kernel:
     """Build (once; cached on disk) and load the kernel for `isa`; raises if the build fails.
     The caller makes sure the CPU runs `isa` (loading is fine anywhere, running is not)."""
-    from torch.utils.cpp_extension import load_inline
-
     spec = ISAS[isa]
-    cflags = ["-O3", "-DNDEBUG", f"-DFASTSPEC_ISA_{isa.upper()}", f"-DFASTSPEC_NS=fastspec_{isa}",
-              *spec.cflags, *_OPENMP]
-    digest = hashlib.sha1((_CPP + " ".join(cflags) + torch.__version__).encode()).hexdigest()[:12]
-    name = f"fastspec_skinny_{isa}_{digest}"
-    build = os.path.join(_build_dir(), name)
-    os.makedirs(build, exist_ok=True)
-    load_inline(name=name, cpp_sources=[_CPP], functions=None, build_directory=build,
-                extra_cflags=cflags, extra_ldflags=list(_OPENMP), is_python_module=False, verbose=False)
     ns = f"fastspec_{isa}"
+    build(_CPP, isa, ns)
 
     @torch.library.register_fake(f"{ns}::skinny_linear")
     def _(x, packed, scales, out_features):

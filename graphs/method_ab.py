@@ -18,14 +18,13 @@ import json
 
 import torch
 
-from fastspec.engine import Engine
+from fastspec.cli.main import load_engine
 from fastspec.evals.data import load_benchmark
 from fastspec.evals.prompts import build_messages
 from fastspec.graphs import kernels
 from fastspec.graphs.profile import device_name
-from fastspec.model.loader import load_model
 from fastspec.sampling import SamplingParams
-from fastspec.weights import PRECISIONS, apply_weight_precision
+from fastspec.weights import PRECISIONS
 
 
 def parse_arm(arm: str) -> tuple[str, dict]:
@@ -50,9 +49,7 @@ def main() -> None:
                     help="big linear weights' precision (every arm and AR run on the same ones)")
     ap.add_argument("--out")
     args = ap.parse_args()
-    loaded = load_model(args.model)
-    apply_weight_precision(loaded.model, args.weights)     # before the Engine: its runner packs them
-    eng = Engine(loaded, backend="compile")
+    eng = load_engine(args.model, "float32", "compile", weights=args.weights)
     probs = load_benchmark("gsm8k", limit=args.limit) + load_benchmark("math500", limit=args.limit)
     prompts = [eng.render_chat(build_messages(p)) for p in probs]
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
