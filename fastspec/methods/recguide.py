@@ -312,12 +312,15 @@ class RecGuide(LinearSS):
         f = self.shape.get((rows, block, variant))
         return None if f is None else self.estimate_ms(rows, block, variant) * f * self.level
 
+    def step_cost(self, rows: int, plan: Plan, forward_ms) -> float:
+        """A round's time from forward_ms alone: the overlap forward of the verify row plus k
+        branch blocks, and the draft forward unless the drafts were carried (a hit)."""
+        t = forward_ms(rows, self.step_width(plan))
+        return t if plan.variant.startswith("hit") else t + forward_ms(rows, plan.block)
+
     def estimate_ms(self, rows: int, block: int, variant: str) -> float:
-        """A round's time from the device profile alone: the overlap forward of the verify row
-        plus k branch blocks, and the draft forward unless the drafts were carried (a hit)."""
-        k = slots_of(variant)
-        t = self.forward_ms(rows, block * (1 + k))
-        return t if variant.startswith("hit") else t + self.forward_ms(rows, block)
+        """step_cost on the run's device profile."""
+        return self.step_cost(rows, Plan(block, variant), self.forward_ms)
 
     def profile_check(self) -> dict:
         """Profile estimate vs measured time of every step this run timed, and the mean absolute
