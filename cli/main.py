@@ -126,7 +126,9 @@ def with_recguide_options(methods: str, model: str, branches=None, max_correctio
         from fastspec.cli.calibrate import default_tables_path
         default = default_tables_path(model)
         if os.path.isfile(default):
-            opts["tables"] = default
+            # Relative to the working dir when under it: the spec is the run's method label.
+            rel = os.path.relpath(default)
+            opts["tables"] = default if rel.startswith("..") else rel
     out = []
     for spec in split_methods(methods):
         name, own = parse_method_spec(spec)

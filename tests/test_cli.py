@@ -1,5 +1,6 @@
 """CLI: bad input gives one clear line and a non-zero exit, never a traceback."""
 import json
+import os
 
 import pytest
 from click.testing import CliRunner
@@ -245,6 +246,17 @@ def test_recguide_flags_fold_into_the_method_spec_and_a_tables_path_keeps_its_sl
     assert parse_method_spec("bastion[blocks=8/16]")[1] == {"blocks": (8, 16)}
     with pytest.raises(Exception, match="tables"):
         get_method(recguide)          # an empty JSON is not a survival table: a clear error
+
+
+def test_the_default_survival_tables_enter_the_method_label_relative_to_the_working_dir(monkeypatch):
+    """The folded spec is the run's method label (tables, JSON): the shipped tables read as
+    profiles/..., not as an absolute path."""
+    from fastspec.cli.calibrate import default_tables_path
+    from fastspec.cli.main import with_recguide_options
+    root = os.path.dirname(os.path.dirname(os.path.abspath(default_tables_path("smollm2-135m"))))
+    monkeypatch.chdir(root)
+    spec = with_recguide_options("recguide", "smollm2-135m", adaptive_blocks="4,8")
+    assert spec == "recguide[blocks=4/8;tables=profiles/smollm2-135m-survival.json]"
 
 
 def test_branch_slot_and_correction_seed_flags_build_a_mixed_recguide():
