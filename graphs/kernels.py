@@ -51,13 +51,19 @@ from fastspec.weights import PRECISIONS
 _PANEL_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 
 _CPP = r"""
-#ifndef FASTSPEC_NO_TORCH          // (defined by a harness that runs the micro-kernel alone)
+// Harnesses that run parts without torch (tests/test_kernels.py, cross-compiled for NEON):
+//   FASTSPEC_NO_TORCH                       the GEMM micro-kernels alone;
+//   FASTSPEC_NO_TORCH + FASTSPEC_VEC_ONLY   also attention's core, on ATen's header-only vectors.
+#if !defined(FASTSPEC_NO_TORCH) || defined(FASTSPEC_VEC_ONLY)
+#define FASTSPEC_ATTENTION
+#include <ATen/cpu/vec/functional.h>   // at::vec::Vectorized<float>: width from CPU_CAPABILITY_*
+#include <ATen/cpu/vec/vec.h>
+#endif
+#ifndef FASTSPEC_NO_TORCH
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/TensorIndexing.h>
 #include <torch/library.h>
-#include <ATen/cpu/vec/functional.h>   // at::vec::Vectorized<float>: width from CPU_CAPABILITY_*
-#include <ATen/cpu/vec/vec.h>
 #endif
 #include <cmath>
 #include <limits>
@@ -317,6 +323,9 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed,
   return y;
 }
 
+#endif  // !FASTSPEC_NO_TORCH
+
+#ifdef FASTSPEC_ATTENTION
 // Attention of the new tokens over their own slot's cache, read in place (no gathered copy of
 // every row's K/V, which a layer otherwise pays before SDPA):
 //   out[b, n, h*D:(h+1)*D] = sum_c p[c] V[slot_b, h/G, c],  p = softmax_c(scale q[b,n,h] . K[slot_b, h/G, c])
@@ -514,49 +523,30 @@ FS_INLINE void scores_of_chunk(int64_t nq, const float* const* qs, const float* 
   chunk_scores<NQ>(qs, K, ctx, D, sf, p, pstride);
 }
 
-at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_layer, const at::Tensor& v_layer,
-                           const at::Tensor& slots, const at::Tensor& mask) {
-  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat, "cache_attention: q must be fp32 [B, N, H, D]");
-  TORCH_CHECK(k_layer.dim() == 4 && v_layer.sizes() == k_layer.sizes() && k_layer.scalar_type() == at::kFloat
-              && v_layer.scalar_type() == at::kFloat, "cache_attention: K/V must be fp32 [slots, kv_heads, len, D]");
-  const int64_t B = q.size(0), N = q.size(1), H = q.size(2), D = q.size(3);
-  const int64_t S = k_layer.size(0), KV = k_layer.size(1), L = k_layer.size(2);
-  TORCH_CHECK(k_layer.size(3) == D && KV > 0 && H % KV == 0, "cache_attention: head shapes disagree");
-  for (const at::Tensor* t : {&k_layer, &v_layer})
-    TORCH_CHECK(t->stride(3) == 1 && t->stride(2) == D && t->stride(1) == L * D,
-                "cache_attention: each slot's K/V must be row-major [kv_heads, len, D]");
-  TORCH_CHECK(mask.dim() == 3 && mask.size(0) == B && mask.size(1) == N && mask.scalar_type() == at::kBool
-              && mask.size(2) <= L, "cache_attention: mask must be bool [B, N, ctx <= len]");
-  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == at::kLong,
-              "cache_attention: slots must be int64 [B]");
-  const int64_t ctx = mask.size(2), G = H / KV;
-  auto qc = q.contiguous();
-  auto mc = mask.contiguous();
-  auto sc = slots.contiguous();
-  auto out = at::empty({B, N, H * D}, q.options());
-  const float* qp = qc.data_ptr<float>();
-  const float* kp = k_layer.data_ptr<float>();
-  const float* vp = v_layer.data_ptr<float>();
-  const bool* mp = mc.data_ptr<bool>();
-  const int64_t* sp = sc.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
+// The whole call on raw pointers: q [B, N, H, D], out [B, N, H * D], mask [B, N, ctx], K/V of
+// slot s and K/V head h at k + s * k_slot + h * L * D (rows of D), slots [B] already checked to
+// lie in the cache. for_tasks(n, body) runs body(t0, t1) over [0, n) split among `threads`.
+template <typename ForTasks>
+void attend(const float* qp, const float* kp, const float* vp, int64_t k_slot, int64_t v_slot,
+            const bool* mp, const int64_t* sp, float* op, int64_t B, int64_t N, int64_t H, int64_t KV,
+            int64_t L, int64_t D, int64_t ctx, int64_t threads, ForTasks&& for_tasks) {
+  const int64_t G = H / KV;
   const float sf = 1.f / std::sqrt(static_cast<float>(D));   // SDPA's default scale
   // Chunk size: as many queries as share a load, but keep >= 2 tasks per thread so that few
   // queries (one AR token: 3 per K/V head) still spread over the threads.
   const int64_t per_head = N * G;
-  const int64_t fair = (B * KV * per_head) / (2 * std::max<int64_t>(1, at::get_num_threads()));
+  const int64_t fair = (B * KV * per_head) / (2 * std::max<int64_t>(1, threads));
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>({QK_CHUNK, fair, per_head}));
   const int64_t chunks = (per_head + chunk - 1) / chunk;
   const int64_t ctx_vec = (ctx + kLanes - 1) / kLanes * kLanes;   // p's rows: whole vectors
-  at::parallel_for(0, B * KV * chunks, 1, [&](int64_t t0, int64_t t1) {
+  for_tasks(B * KV * chunks, [&](int64_t t0, int64_t t1) {
     std::vector<float> p(QK_CHUNK * ctx_vec);
     std::vector<uint32_t> seen(ctx_vec);
     for (int64_t t = t0; t < t1; t++) {
       const int64_t b = t / (KV * chunks), kv = (t / chunks) % KV, j0 = (t % chunks) * chunk;
       const int64_t nq = std::min<int64_t>(chunk, per_head - j0), slot = sp[b];
-      TORCH_CHECK(slot >= 0 && slot < S, "cache_attention: slot ", slot, " outside the cache");
-      const float* K = kp + slot * k_layer.stride(0) + kv * L * D;
-      const float* V = vp + slot * v_layer.stride(0) + kv * L * D;
+      const float* K = kp + slot * k_slot + kv * L * D;
+      const float* V = vp + slot * v_slot + kv * L * D;
       const float* qs[QK_CHUNK];
       float* os[QK_CHUNK];
       const bool* ms[QK_CHUNK];
@@ -592,6 +582,36 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_layer, const
       }
     }
   });
+}
+#endif  // FASTSPEC_ATTENTION
+
+#ifndef FASTSPEC_NO_TORCH
+at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_layer, const at::Tensor& v_layer,
+                           const at::Tensor& slots, const at::Tensor& mask) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat, "cache_attention: q must be fp32 [B, N, H, D]");
+  TORCH_CHECK(k_layer.dim() == 4 && v_layer.sizes() == k_layer.sizes() && k_layer.scalar_type() == at::kFloat
+              && v_layer.scalar_type() == at::kFloat, "cache_attention: K/V must be fp32 [slots, kv_heads, len, D]");
+  const int64_t B = q.size(0), N = q.size(1), H = q.size(2), D = q.size(3);
+  const int64_t S = k_layer.size(0), KV = k_layer.size(1), L = k_layer.size(2);
+  TORCH_CHECK(k_layer.size(3) == D && KV > 0 && H % KV == 0, "cache_attention: head shapes disagree");
+  for (const at::Tensor* t : {&k_layer, &v_layer})
+    TORCH_CHECK(t->stride(3) == 1 && t->stride(2) == D && t->stride(1) == L * D,
+                "cache_attention: each slot's K/V must be row-major [kv_heads, len, D]");
+  TORCH_CHECK(mask.dim() == 3 && mask.size(0) == B && mask.size(1) == N && mask.scalar_type() == at::kBool
+              && mask.size(2) <= L, "cache_attention: mask must be bool [B, N, ctx <= len]");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == at::kLong,
+              "cache_attention: slots must be int64 [B]");
+  const int64_t ctx = mask.size(2);
+  auto qc = q.contiguous();
+  auto mc = mask.contiguous();
+  auto sc = slots.contiguous();
+  const int64_t* sp = sc.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; b++)
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < S, "cache_attention: slot ", sp[b], " outside the cache");
+  auto out = at::empty({B, N, H * D}, q.options());
+  attend(qc.data_ptr<float>(), k_layer.data_ptr<float>(), v_layer.data_ptr<float>(), k_layer.stride(0),
+         v_layer.stride(0), mc.data_ptr<bool>(), sp, out.data_ptr<float>(), B, N, H, KV, L, D, ctx,
+         at::get_num_threads(), [](int64_t n, auto&& body) { at::parallel_for(0, n, 1, body); });
   return out;
 }
 

@@ -240,6 +240,135 @@ def test_neon_micro_kernel_under_qemu(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+ATTENTION_HARNESS = r"""
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+#include "kernel.inc"
+static uint32_t rng = 777;
+static float rnd() { rng = rng * 1664525u + 1013904223u; return ((rng >> 8) / 16777216.0f) * 2 - 1; }
+
+// attend() over `threads` pieces, run one after another (the split is what changes with threads:
+// the chunk of queries per task; a query's arithmetic must not).
+static void call(const float* q, const float* k, const float* v, int64_t slot_stride, const bool* m,
+                 const int64_t* sl, float* o, int64_t B, int64_t N, int64_t H, int64_t KV, int64_t L,
+                 int64_t D, int64_t ctx, int64_t threads) {
+  attend(q, k, v, slot_stride, slot_stride, m, sl, o, B, N, H, KV, L, D, ctx, threads,
+         [threads](int64_t n, auto&& body) {
+           for (int64_t t = 0; t < threads; t++) {
+             const int64_t a = n * t / threads, b = n * (t + 1) / threads;
+             if (a < b) body(a, b);
+           }
+         });
+}
+
+// One shape: batched vs a double reference, and every token alone vs batched, bit for bit.
+static int check(int64_t B, int64_t N, int64_t H, int64_t KV, int64_t D, int64_t L, int64_t ctx,
+                 int64_t threads, double* worst) {
+  const int64_t S = B + 1, slot_stride = KV * L * D, G = H / KV;
+  std::vector<float> q(B * N * H * D), k(S * slot_stride), v(S * slot_stride), o(B * N * H * D);
+  std::vector<int64_t> sl(B);
+  std::vector<char> m(B * N * ctx);
+  for (auto& x : q) x = 2 * rnd();
+  for (auto& x : k) x = rnd();
+  for (auto& x : v) x = rnd();
+  for (int64_t b = 0; b < B; b++) sl[b] = (b * 2 + 1) % S;
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t n = 0; n < N; n++)
+      for (int64_t c = 0; c < ctx; c++)   // causal-ish, with holes; row (1, N-1) sees nothing
+        m[(b * N + n) * ctx + c] = (c <= ctx - N + n) && (rnd() > -0.8f) && !(b == 1 && n == N - 1);
+  const bool* mb = reinterpret_cast<const bool*>(m.data());
+  call(q.data(), k.data(), v.data(), slot_stride, mb, sl.data(), o.data(), B, N, H, KV, L, D, ctx, threads);
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t n = 0; n < N; n++) {
+      std::vector<float> alone(H * D);
+      call(q.data() + (b * N + n) * H * D, k.data(), v.data(), slot_stride, mb + (b * N + n) * ctx,
+           sl.data() + b, alone.data(), 1, 1, H, KV, L, D, ctx, threads);
+      const float* got = o.data() + (b * N + n) * H * D;
+      if (std::memcmp(alone.data(), got, H * D * sizeof(float)) != 0) {
+        std::printf("token (%lld, %lld) alone differs from its batched output\n", (long long)b, (long long)n);
+        return 1;
+      }
+      for (int64_t h = 0; h < H; h++) {
+        const float* qv = q.data() + ((b * N + n) * H + h) * D;
+        const float* K = k.data() + sl[b] * slot_stride + (h / G) * L * D;
+        const float* V = v.data() + sl[b] * slot_stride + (h / G) * L * D;
+        std::vector<double> p(ctx);
+        double mx = -1e300, sum = 0;
+        for (int64_t c = 0; c < ctx; c++) {
+          if (!mb[(b * N + n) * ctx + c]) continue;
+          double s = 0;
+          for (int64_t d = 0; d < D; d++) s += (double)qv[d] * K[c * D + d];
+          p[c] = s / std::sqrt((double)D);
+          mx = std::max(mx, p[c]);
+        }
+        for (int64_t c = 0; c < ctx; c++)
+          sum += p[c] = mb[(b * N + n) * ctx + c] ? std::exp(p[c] - mx) : 0.0;
+        for (int64_t d = 0; d < D; d++) {
+          double r = 0;
+          for (int64_t c = 0; c < ctx; c++) r += p[c] * V[c * D + d];
+          r = sum > 0 ? r / sum : 0.0;
+          *worst = std::max(*worst, std::fabs(got[h * D + d] - r));
+        }
+      }
+    }
+  return 0;
+}
+
+int main() {
+  // (B, N, H, KV, D, L, ctx): SmolLM2's heads (9 over 3, D 64), a D that is not whole vectors,
+  // contexts that are not whole vectors or whole 4-column steps, 1..8 tokens per row.
+  const int64_t shapes[][7] = {{2, 1, 9, 3, 64, 48, 37}, {2, 3, 9, 3, 64, 48, 40}, {2, 8, 9, 3, 64, 48, 45},
+                               {3, 5, 4, 2, 20, 24, 23}, {2, 2, 6, 1, 8, 16, 9}, {2, 4, 9, 3, 64, 8, 7}};
+  double worst = 0;
+  for (auto& s : shapes)
+    for (int64_t threads = 1; threads <= 3; threads++)
+      if (check(s[0], s[1], s[2], s[3], s[4], s[5], s[6], threads, &worst)) return 1;
+  std::printf("lanes %d, worst abs error %.3g\n", (int)kLanes, worst);
+  return worst < 1e-5 ? 0 : 1;
+}
+"""
+
+
+def _attention_harness(tmp_path, cxx: str, flags: list[str], runner: list[str]) -> str:
+    """Builds the attention core of the kernel source (no torch: ATen's header-only vectors) with
+    `cxx flags` and runs it; returns its output, failing the test on a mismatch."""
+    from torch.utils.cpp_extension import include_paths
+    (tmp_path / "kernel.inc").write_text(kernels._CPP)
+    (tmp_path / "attention.cpp").write_text(ATTENTION_HARNESS)
+    exe = tmp_path / "attention"
+    build = subprocess.run([cxx, "-O2", "-std=c++17", "-DFASTSPEC_NO_TORCH", "-DFASTSPEC_VEC_ONLY",
+                            *flags, f"-I{include_paths()[0]}", str(tmp_path / "attention.cpp"), "-o", str(exe)],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout
+
+
+@pytest.mark.skipif("avx2" not in ISAS or not shutil.which("g++"), reason="needs an AVX2 CPU and g++")
+def test_attention_core_outside_torch_matches_a_double_reference_and_each_token_alone():
+    """The harness the NEON test below runs, checked natively on the AVX2 path, where the torch
+    op's own tests also run: the same verdicts from both ways in."""
+    import tempfile
+    from pathlib import Path
+    with tempfile.TemporaryDirectory() as d:
+        out = _attention_harness(Path(d), "g++", ["-DFASTSPEC_ISA_AVX2", *kernels.ISAS["avx2"].cflags], [])
+    assert out.startswith("lanes 8,")
+
+
+@pytest.mark.skipif(not (shutil.which("aarch64-linux-gnu-g++") and shutil.which("qemu-aarch64")),
+                    reason="needs aarch64-linux-gnu-g++ and qemu-aarch64")
+def test_neon_attention_under_qemu(tmp_path):
+    """cache_attention's NEON build (4 lanes: its own transposed sums and chunk sizes),
+    cross-compiled and run under qemu: a double reference, and every token alone equals its
+    batched output bit for bit at 1-3 threads' chunkings."""
+    out = _attention_harness(tmp_path, "aarch64-linux-gnu-g++", ["-static", "-DFASTSPEC_ISA_NEON"],
+                             ["qemu-aarch64"])
+    assert out.startswith("lanes 4,")
+
+
 # --- choosing the ISA -------------------------------------------------------------------------
 @pytest.mark.skipif("avx2" not in ISAS, reason="the CPU does not run AVX2")
 def test_forced_isa_picks_the_avx2_kernel(isa_env):
