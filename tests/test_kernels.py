@@ -225,19 +225,31 @@ int main() {
 """
 
 
+def run_harness(tmp_path, harness: str, cxx: str, flags: list[str], runner: list[str],
+                vec: bool = False) -> str:
+    """Builds a torch-free harness around the kernel source (`#include "kernel.inc"`) with
+    `cxx flags` and runs it (under `runner`, e.g. qemu); returns its output, failing the test
+    on a build error or a non-zero exit. vec: also attention's core, on ATen's header-only vectors."""
+    from torch.utils.cpp_extension import include_paths
+    (tmp_path / "kernel.inc").write_text(kernels._CPP)
+    (tmp_path / "harness.cpp").write_text(harness)
+    exe = tmp_path / "harness"
+    extra = ["-DFASTSPEC_VEC_ONLY", f"-I{include_paths()[0]}"] if vec else []
+    build = subprocess.run([cxx, "-O2", "-std=c++17", "-DFASTSPEC_NO_TORCH", *extra, *flags,
+                            str(tmp_path / "harness.cpp"), "-o", str(exe)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout
+
+
 @pytest.mark.skipif(not (shutil.which("aarch64-linux-gnu-g++") and shutil.which("qemu-aarch64")),
                     reason="needs aarch64-linux-gnu-g++ and qemu-aarch64")
 def test_neon_micro_kernel_under_qemu(tmp_path):
     """The NEON build of the same source (micro-kernels alone, no torch), cross-compiled and run
     under qemu: every precision, rows 1..16, ragged panels, against a double reference."""
-    (tmp_path / "kernel.inc").write_text(kernels._CPP)
-    (tmp_path / "harness.cpp").write_text(NEON_HARNESS)
-    exe = tmp_path / "harness"
-    subprocess.run(["aarch64-linux-gnu-g++", "-O2", "-std=c++17", "-static", "-DFASTSPEC_NO_TORCH",
-                    "-DFASTSPEC_ISA_NEON", str(tmp_path / "harness.cpp"), "-o", str(exe)],
-                   check=True, capture_output=True)
-    run = subprocess.run(["qemu-aarch64", str(exe)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
+    run_harness(tmp_path, NEON_HARNESS, "aarch64-linux-gnu-g++", ["-static", "-DFASTSPEC_ISA_NEON"],
+                ["qemu-aarch64"])
 
 
 ATTENTION_HARNESS = r"""
@@ -331,30 +343,12 @@ int main() {
 """
 
 
-def _attention_harness(tmp_path, cxx: str, flags: list[str], runner: list[str]) -> str:
-    """Builds the attention core of the kernel source (no torch: ATen's header-only vectors) with
-    `cxx flags` and runs it; returns its output, failing the test on a mismatch."""
-    from torch.utils.cpp_extension import include_paths
-    (tmp_path / "kernel.inc").write_text(kernels._CPP)
-    (tmp_path / "attention.cpp").write_text(ATTENTION_HARNESS)
-    exe = tmp_path / "attention"
-    build = subprocess.run([cxx, "-O2", "-std=c++17", "-DFASTSPEC_NO_TORCH", "-DFASTSPEC_VEC_ONLY",
-                            *flags, f"-I{include_paths()[0]}", str(tmp_path / "attention.cpp"), "-o", str(exe)],
-                           capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr[-3000:]
-    run = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr
-    return run.stdout
-
-
 @pytest.mark.skipif("avx2" not in ISAS or not shutil.which("g++"), reason="needs an AVX2 CPU and g++")
-def test_attention_core_outside_torch_matches_a_double_reference_and_each_token_alone():
+def test_attention_core_outside_torch_matches_a_double_reference_and_each_token_alone(tmp_path):
     """The harness the NEON test below runs, checked natively on the AVX2 path, where the torch
     op's own tests also run: the same verdicts from both ways in."""
-    import tempfile
-    from pathlib import Path
-    with tempfile.TemporaryDirectory() as d:
-        out = _attention_harness(Path(d), "g++", ["-DFASTSPEC_ISA_AVX2", *kernels.ISAS["avx2"].cflags], [])
+    out = run_harness(tmp_path, ATTENTION_HARNESS, "g++", ["-DFASTSPEC_ISA_AVX2", *kernels.ISAS["avx2"].cflags],
+                      [], vec=True)
     assert out.startswith("lanes 8,")
 
 
@@ -364,8 +358,8 @@ def test_neon_attention_under_qemu(tmp_path):
     """cache_attention's NEON build (4 lanes: its own transposed sums and chunk sizes),
     cross-compiled and run under qemu: a double reference, and every token alone equals its
     batched output bit for bit at 1-3 threads' chunkings."""
-    out = _attention_harness(tmp_path, "aarch64-linux-gnu-g++", ["-static", "-DFASTSPEC_ISA_NEON"],
-                             ["qemu-aarch64"])
+    out = run_harness(tmp_path, ATTENTION_HARNESS, "aarch64-linux-gnu-g++", ["-static", "-DFASTSPEC_ISA_NEON"],
+                      ["qemu-aarch64"], vec=True)
     assert out.startswith("lanes 4,")
 
 
