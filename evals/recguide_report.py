@@ -101,6 +101,18 @@ def print_tables(console, runs: list[dict], records, block: int | None = None) -
             tab.add_row(r["method"], str(r["concurrency"]), "mean |error|", "", "",
                         f"{pc['mean_abs_error']:.0%}", end_section=True)
         console.print(tab)
+    bounds = [r for r in reports if len(r["method_report"].get("gate_bound") or []) > 1]
+    if bounds:
+        tab = Table(title="Gate bound — tok/s ÷ plain rounds at best with k slots every round "
+                          "(this run's hit rates; measured steps | device profile)")
+        for col in ("method", "C", "slots k", "hit rate H_k", "bound (measured)", "bound (profile)"):
+            tab.add_column(col, justify="left" if col == "method" else "right")
+        for r in bounds:
+            rows = r["method_report"]["gate_bound"]
+            for i, b in enumerate(rows):
+                tab.add_row(r["method"], str(r["concurrency"]), str(b["slots"]), f"{b['hit_rate']:.0%}",
+                            f"{b['measured']:.2f}×", f"{b['profile']:.2f}×", end_section=i == len(rows) - 1)
+        console.print(tab)
     shares = [r for r in reports if len(r["method_report"].get("block_share", {})) > 1]
     if shares:
         blocks = sorted({int(b) for r in shares for b in r["method_report"]["block_share"]})

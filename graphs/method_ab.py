@@ -8,9 +8,11 @@
 
 An arm is a `--method` spec, optionally with `@attr=value` overrides set on the method instance
 before each of its runs (arms that share a spec share one instance, so its compiled steps).
-Prompts: the first --limit of GSM8K and of MATH-500, chat-rendered; greedy; every run is checked
-token for token against AR at the same concurrency. Per arm and C: tok/s of each rep, τ, steps per
-round, and whether every request equalled AR."""
+Prompts: the first --limit of each --bench (default GSM8K and MATH-500), chat-rendered; greedy;
+every run is checked token for token against AR at the same concurrency. Per arm and C: tok/s of
+each rep, τ, tokens per forward, steps per round, whether every request equalled AR, and per
+benchmark the per-request tok/s of each rep (its requests' tokens over their summed latencies; at C=1, where
+requests run one after another, that is the benchmark's own throughput)."""
 from __future__ import annotations
 
 import argparse
@@ -41,7 +43,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arm", action="append", required=True, help="method spec[@attr=value...]")
     ap.add_argument("--concurrency", default="1")
-    ap.add_argument("--limit", type=int, default=4, help="prompts per benchmark (GSM8K, MATH-500)")
+    ap.add_argument("--bench", default="gsm8k,math500", help="benchmarks, comma-separated")
+    ap.add_argument("--limit", type=int, default=4, help="prompts per benchmark")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--model", default="smollm2-135m")
@@ -50,8 +53,9 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     eng = load_engine(args.model, "float32", "compile", weights=args.weights)
-    probs = load_benchmark("gsm8k", limit=args.limit) + load_benchmark("math500", limit=args.limit)
-    prompts = [eng.render_chat(build_messages(p)) for p in probs]
+    benches = args.bench.split(",")
+    probs = [(b, p) for b in benches for p in load_benchmark(b, limit=args.limit)]
+    prompts = [eng.render_chat(build_messages(p)) for _, p in probs]
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     arms = [(a, *parse_arm(a)) for a in args.arm]
     # Arms of one spec share its instance: before each run every attribute any of them sets is
@@ -74,8 +78,9 @@ def main() -> None:
         for _, spec, attrs in arms:          # warm every arm's steps before any timing
             eng.generate(prompts[:c], SamplingParams(max_new_tokens=16), method=arm_method(spec, attrs),
                          concurrency=c)
-        res = {a: {"arm": a, "concurrency": c, "tok_s": [], "tau": [], "steps_per_round": [],
-                   "identical_to_ar": True} for a, _, _ in arms}
+        res = {a: {"arm": a, "concurrency": c, "tok_s": [], "tau": [], "tokens_per_forward": [],
+                   "steps_per_round": [], "identical_to_ar": True,
+                   "per_bench": {b: {"tok_s": []} for b in benches}} for a, _, _ in arms}
         for rep in range(args.reps):
             for a, spec, attrs in arms:
                 out = eng.generate(prompts, params, method=arm_method(spec, attrs), concurrency=c)
@@ -83,23 +88,32 @@ def main() -> None:
                 r["tok_s"].append(round(st.tokens_per_s, 1))
                 r["tau"].append(round(sum(sum(x.accept_lengths) for x in out)
                                       / max(sum(len(x.accept_lengths) for x in out), 1), 3))
+                r["tokens_per_forward"].append(round(st.tokens_per_forward, 3))
                 r["steps_per_round"].append(round(st.steps / max(st.rounds, 1), 3))
                 r["identical_to_ar"] &= [x.token_ids for x in out] == ar
+                for b in benches:
+                    mine = [x for x, (bb, _) in zip(out, probs) if bb == b]
+                    r["per_bench"][b]["tok_s"].append(round(
+                        sum(len(x.token_ids) for x in mine) / max(sum(x.latency_s for x in mine), 1e-9), 1))
                 print(f"C={c} rep {rep + 1} {a}: {r['tok_s'][-1]} tok/s, tau {r['tau'][-1]}, "
-                      f"steps/round {r['steps_per_round'][-1]}, identical to AR {r['identical_to_ar']}",
-                      flush=True)
+                      f"tok/fwd {r['tokens_per_forward'][-1]}, steps/round {r['steps_per_round'][-1]}, "
+                      f"identical to AR {r['identical_to_ar']}; "
+                      + ", ".join(f"{b} {pb['tok_s'][-1]}" for b, pb in r["per_bench"].items()), flush=True)
         for r in res.values():
             r["mean_tok_s"] = round(sum(r["tok_s"]) / len(r["tok_s"]), 1)
+            for pb in r["per_bench"].values():
+                pb["mean_tok_s"] = round(sum(pb["tok_s"]) / len(pb["tok_s"]), 1)
             rows.append(r)
     if args.out:
         env = {"device": device_name("cpu"), "kernel": kernels.kernel_path(),
                "threads": torch.get_num_threads(), "torch": torch.__version__, "model": args.model,
                "weights": args.weights,
-               "prompts": f"first {args.limit} of gsm8k and math500", "max_new_tokens": args.max_new_tokens,
+               "prompts": f"first {args.limit} of {', '.join(benches)}",
+               "max_new_tokens": args.max_new_tokens,
                "command": "python -m fastspec.graphs.method_ab " + " ".join(
                    [f'--arm "{a}"' for a in args.arm]
-                   + [f"--concurrency {args.concurrency} --limit {args.limit} --weights {args.weights} "
-                      f"--max-new-tokens {args.max_new_tokens} --reps {args.reps}"])}
+                   + [f"--bench {args.bench} --concurrency {args.concurrency} --limit {args.limit} "
+                      f"--weights {args.weights} --max-new-tokens {args.max_new_tokens} --reps {args.reps}"])}
         with open(args.out, "w") as f:
             json.dump({"environment": env, "arms": rows}, f, indent=1)
 

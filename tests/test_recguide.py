@@ -526,6 +526,26 @@ def test_round_time_estimate_from_the_profile():
     assert check["level"] == 1.25 and check["mean_abs_error_at_level"] == 0.125
 
 
+def test_the_gate_bound_is_the_best_k_slots_could_give_at_the_observed_hit_rates():
+    """bound_k = T(draft0) / (H_k·T(hit k) + (1 − H_k)·T(draft k)), H_k the first k slots' hit
+    rates summed. Profile: a forward of n tokens costs 27 + 7n/8 ms (34, 41, 48, 55 ms at
+    8, 16, 24, 32 tokens); measured: the README's one-branch run (72.1, 46.7, 90.4 ms)."""
+    m = RecGuide(block=8)                                  # reference policy: 3 slots
+    m.begin(RunInfo(1, 1, {2}, {(1, 8, "draft0"): 72.1, (1, 8, "hit1"): 46.7, (1, 8, "draft1"): 90.4},
+                    lambda rows, tokens: 27 + 7 * tokens / 8))
+    m.slot_trials = [96, 96, 96]
+    m.slot_covered = [32.8, 9.8, 4.8]                      # hit rates .34, .11, .06 (prior: 4 at .3)
+    bound = m.gate_bound(1)
+    assert [b["slots"] for b in bound] == [0, 1, 2, 3]
+    assert [b["hit_rate"] for b in bound] == [0.0, 0.34, 0.45, 0.51]
+    assert bound[0]["profile"] == bound[0]["measured"] == 1.0
+    # 68 / (.34·41 + .66·75), 68 / (.45·48 + .55·82), 68 / (.51·55 + .49·89)
+    assert [b["profile"] for b in bound[1:]] == pytest.approx([1.0719, 1.0195, 0.9489], abs=1e-4)
+    # measured: 72.1 / (.34·46.7 + .66·90.4): the branch costs more in the run than in the profile
+    assert bound[1]["measured"] == pytest.approx(0.9544, abs=1e-4)
+    assert m.report()["gate_bound"] == m.gate_bound(m.rows)
+
+
 def test_a_new_request_joins_the_block_the_run_mostly_takes():
     """With per-request block sizes, a request with no history yet starts at the block most of
     the run's rounds took (it joins their bucket instead of splitting the batch); once it has

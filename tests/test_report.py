@@ -137,3 +137,18 @@ def test_table1_reads_each_method_at_its_own_block_size():
     assert text.count("Table 1") == 2
     # rounds (last cut): 16 16 1 16 -> high high low high: high->high, high->low, low->high
     assert transitions(records, "linear[block=16]", 16) == [[0, 0, 1], [0, 0, 0], [0.5, 0, 0.5]]
+
+
+def test_the_gate_bound_table_shows_each_slot_count_of_a_recguide_run():
+    from fastspec.evals.recguide_report import print_tables
+    report = {"rounds": 10, "proposed": 0, "laid_out": 0, "coverage": 0.3, "reuse": 0.0,
+              "no_hit": 1.0, "slots_chosen": {0: 10},
+              "gate_bound": [{"slots": 0, "hit_rate": 0.0, "measured": 1.0, "profile": 1.0},
+                             {"slots": 1, "hit_rate": 0.34, "measured": 0.9544, "profile": 1.0719}]}
+    runs = [{"method": "recguide", "concurrency": 1, "tokens_per_s": 1.0, "tokens_per_forward": 1.0,
+             "method_report": report}]
+    console = Console(record=True, width=200)
+    print_tables(console, runs, [], block=8)
+    text = console.export_text()
+    assert "Gate bound" in text
+    assert "0.95×" in text and "1.07×" in text and "34%" in text

@@ -366,6 +366,34 @@ class RecGuide(LinearSS):
             k += 1
         return k
 
+    def gate_bound(self, rows: int) -> list[dict]:
+        """The most k branch slots laid out every round could give on this device, at this run's
+        hit rates: a round is a hit (verify with k slots only) with probability H_k = Σ_{j<k} h_j
+        (the slots cover disjoint outcomes, so that sum is the k-slot hit rate; capped at 1), else
+        a drafting round with k slots. Against the plain round, at the same τ:
+
+            bound_k = T(draft0) / (H_k · T(hit k) + (1 − H_k) · T(draft k))
+
+        e.g. forwards of T(B·n) = 34, 41, 55 ms for n = 1, 2, 4 rows' worth of tokens (a drafting
+        round adds a 34 ms draft): one slot hit 34% of the time gives 68 / (0.34·41 + 0.66·75)
+        = 1.07; three slots hit 45% of the time give 68 / (0.45·55 + 0.55·89) = 0.92.
+        `measured`: step times as this run measured them (the profile's, scaled, where a layout
+        never ran); `profile`: the device profile alone. An upper bound on RecGuide's tok/s over
+        LinearSS's: a hit's round commits at most what a drafted one would, and a branch costs its
+        tokens whatever the outcome."""
+        out, hits = [], 0.0
+        for k in range(self.max_slots + 1):
+            if k:
+                hits = min(1.0, hits + self.hit_rate(k - 1))
+            row = {"slots": k, "hit_rate": round(hits, 4)}
+            for name, t in (("measured", self.step_time_ms), ("profile", self.estimate_ms)):
+                plain = t(rows, self.block, "draft0")
+                mean = (hits * t(rows, self.block, f"hit{k}")
+                        + (1 - hits) * t(rows, self.block, f"draft{k}"))
+                row[name] = round(plain / mean, 4)
+            out.append(row)
+        return out
+
     def block_values(self, seq) -> dict[int, float]:
         """V_B(s, z) for every B of the set, from the request's recent rounds (the survival
         tables, or a geometric run at s for a block they lack: the cold start)."""
@@ -510,7 +538,7 @@ class RecGuide(LinearSS):
                  block_share={b: c / n for b, c in sorted(self.block_choices.items())},
                  step_ms={f"{rows}x{w}:{v}": round(ms, 3)
                           for (rows, w, v), ms in sorted(self.step_ms.items())},
-                 profile_check=self.profile_check())
+                 profile_check=self.profile_check(), gate_bound=self.gate_bound(self.rows))
         return t
 
     # --- inside the step --------------------------------------------------------------------
