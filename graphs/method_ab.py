@@ -12,7 +12,8 @@ Prompts: the first --limit of each --bench (default GSM8K and MATH-500), chat-re
 every run is checked token for token against AR at the same concurrency. Per arm and C: tok/s of
 each rep, τ, tokens per forward, steps per round, whether every request equalled AR, and per
 benchmark the per-request tok/s of each rep (its requests' tokens over their summed latencies; at C=1, where
-requests run one after another, that is the benchmark's own throughput)."""
+requests run one after another, that is the benchmark's own throughput), and the method's own
+report of its last rep where it has one (RecGuide: Table 3, the profile check, the gate bound)."""
 from __future__ import annotations
 
 import argparse
@@ -83,7 +84,8 @@ def main() -> None:
                    "per_bench": {b: {"tok_s": []} for b in benches}} for a, _, _ in arms}
         for rep in range(args.reps):
             for a, spec, attrs in arms:
-                out = eng.generate(prompts, params, method=arm_method(spec, attrs), concurrency=c)
+                m = arm_method(spec, attrs)
+                out = eng.generate(prompts, params, method=m, concurrency=c)
                 st, r = eng.last_stats, res[a]
                 r["tok_s"].append(round(st.tokens_per_s, 1))
                 r["tau"].append(round(sum(sum(x.accept_lengths) for x in out)
@@ -91,6 +93,8 @@ def main() -> None:
                 r["tokens_per_forward"].append(round(st.tokens_per_forward, 3))
                 r["steps_per_round"].append(round(st.steps / max(st.rounds, 1), 3))
                 r["identical_to_ar"] &= [x.token_ids for x in out] == ar
+                if hasattr(m, "report"):                 # the method's own report of its last rep
+                    r["method_report"] = m.report()
                 for b in benches:
                     mine = [x for x, (bb, _) in zip(out, probs) if bb == b]
                     r["per_bench"][b]["tok_s"].append(round(
