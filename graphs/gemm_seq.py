@@ -7,7 +7,7 @@ verify), random weights packed at a precision, called back to back as a forward 
     FASTSPEC_ISA=amx python -m fastspec.graphs.gemm_seq bf16 8     # 8 rows
 
 Prints the median and min ms of 20 passes and the weight bytes per second; the figures in the
-README's prefetch note come from it (2 threads)."""
+prefetch note in results/README.md come from it (2 threads)."""
 import statistics
 import sys
 import time

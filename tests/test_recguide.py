@@ -527,14 +527,16 @@ def test_round_time_estimate_from_the_profile():
 
 
 def test_the_gate_bound_is_the_best_k_slots_could_give_at_the_observed_hit_rates():
-    """bound_k = T(draft0) / (H_k·T(hit k) + (1 − H_k)·T(draft k)), H_k the first k slots' hit
-    rates summed. Profile: a forward of n tokens costs 27 + 7n/8 ms (34, 41, 48, 55 ms at
-    8, 16, 24, 32 tokens); measured: the README's one-branch run (72.1, 46.7, 90.4 ms)."""
+    """bound_k = T(draft0) / (H_k·T(hit k) + (1 − H_k)·T(draft k)), H_k the share of rounds one
+    of the first k candidates covered. Profile: a forward of n tokens costs 27 + 7n/8 ms (34, 41,
+    48, 55 ms at 8, 16, 24, 32 tokens); measured: the one-branch run in results/README.md (72.1,
+    46.7, 90.4 ms)."""
     m = RecGuide(block=8)                                  # reference policy: 3 slots
     m.begin(RunInfo(1, 1, {2}, {(1, 8, "draft0"): 72.1, (1, 8, "hit1"): 46.7, (1, 8, "draft1"): 90.4},
                     lambda rows, tokens: 27 + 7 * tokens / 8))
-    m.slot_trials = [96, 96, 96]
-    m.slot_covered = [32.8, 9.8, 4.8]                      # hit rates .34, .11, .06 (prior: 4 at .3)
+    assert [b["hit_rate"] for b in m.gate_bound(1)] == [0.0, 0.3, 0.6, 0.9]   # no round yet: priors
+    m.table3["rounds"] = 100
+    m.prefix_covered = [0, 34, 45, 51]                     # the first 1, 2, 3 candidates covered
     bound = m.gate_bound(1)
     assert [b["slots"] for b in bound] == [0, 1, 2, 3]
     assert [b["hit_rate"] for b in bound] == [0.0, 0.34, 0.45, 0.51]
@@ -543,7 +545,28 @@ def test_the_gate_bound_is_the_best_k_slots_could_give_at_the_observed_hit_rates
     assert [b["profile"] for b in bound[1:]] == pytest.approx([1.0719, 1.0195, 0.9489], abs=1e-4)
     # measured: 72.1 / (.34·46.7 + .66·90.4): the branch costs more in the run than in the profile
     assert bound[1]["measured"] == pytest.approx(0.9544, abs=1e-4)
+    # two slots never ran: the profile's 48 and 82 ms at this run's level (1.139) and the mean
+    # shape of its measured steps: 72.1 / (.45·51.67 + .55·88.26)
+    assert bound[2]["measured"] == pytest.approx(0.9525, abs=1e-4)
     assert m.report()["gate_bound"] == m.gate_bound(m.rows)
+
+
+def test_prefix_coverage_counts_a_round_once_for_every_k_past_its_first_covering_candidate():
+    """H_k of the gate bound: the share of rounds one of the first k wanted candidates covered.
+    Round 1 wants 3 and its 2nd covers; round 2 wants 1 and its 1st covers; round 3 wants 2 and
+    only its 3rd (unwanted) candidate would have covered."""
+    from fastspec.engine import Sequence
+    m = RecGuide(block=8)
+    for wanted, covered in ((3, (0, 1, 0)), (1, (1, 0, 0)), (2, (0, 0, 1))):
+        seq = Sequence(0, [1], SamplingParams(), block=8)
+        seq.host = [0] * (H_COVERED + 3)
+        seq.host[H_WANTED] = wanted
+        for j, c in enumerate(covered):
+            seq.host[H_COVERED + j] = c
+        m.observe(seq)
+    assert m.prefix_covered == [0, 1, 2, 2]
+    assert m.table3["rounds"] == 3 and m.table3["covered"] == 2
+    assert [b["hit_rate"] for b in m.gate_bound(1)] == [0.0, 0.3333, 0.6667, 0.6667]
 
 
 def test_a_new_request_joins_the_block_the_run_mostly_takes():

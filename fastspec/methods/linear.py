@@ -30,7 +30,7 @@ class LinearSS(Method):
     layout = "linear"               # a draft forward then a chain verify forward, one step
     forwards = 2
 
-    def __init__(self, block: int = 8):      # the best measured B on the CPU (README)
+    def __init__(self, block: int = 8):      # the best measured B on the CPU (results/README.md)
         if block not in BLOCK_SIZES:
             raise FastspecError(f"--block must be one of {BLOCK_SIZES}, got {block}")
         super().__init__(block)

@@ -221,6 +221,8 @@ class RecGuide(LinearSS):
         # Counterfactual hit counts per slot: slot j's wanted branch matched the outcome.
         self.slot_covered = [0] * self.n_cand
         self.slot_trials = [0] * self.n_cand
+        # prefix_covered[k]: rounds whose outcome one of the first k wanted candidates covered
+        self.prefix_covered = [0] * (self.n_cand + 1)
         # dropped: carried drafts not verified because a step of their own cost more (keep_hits)
         self.table3 = {"rounds": 0, "proposed": 0, "laid_out": 0, "covered": 0, "reused": 0,
                        "dropped": 0}
@@ -368,23 +370,27 @@ class RecGuide(LinearSS):
 
     def gate_bound(self, rows: int) -> list[dict]:
         """The most k branch slots laid out every round could give on this device, at this run's
-        hit rates: a round is a hit (verify with k slots only) with probability H_k = Σ_{j<k} h_j
-        (the slots cover disjoint outcomes, so that sum is the k-slot hit rate; capped at 1), else
-        a drafting round with k slots. Against the plain round, at the same τ:
+        outcomes: a round is a hit (verify with k slots only) with probability H_k, the share of
+        rounds whose outcome one of the row's first k candidates covered (counted whether or not
+        they were laid out; before any round, the prior hit rates summed), else a drafting round
+        with k slots. Against the plain round, at the same τ:
 
             bound_k = T(draft0) / (H_k · T(hit k) + (1 − H_k) · T(draft k))
 
         e.g. forwards of T(B·n) = 34, 41, 55 ms for n = 1, 2, 4 rows' worth of tokens (a drafting
-        round adds a 34 ms draft): one slot hit 34% of the time gives 68 / (0.34·41 + 0.66·75)
-        = 1.07; three slots hit 45% of the time give 68 / (0.45·55 + 0.55·89) = 0.92.
+        round adds a 34 ms draft): one slot covering 34% of the outcomes gives 68 / (0.34·41 +
+        0.66·75) = 1.07; three slots covering 51% give 68 / (0.51·55 + 0.49·89) = 0.95.
         `measured`: step times as this run measured them (the profile's, scaled, where a layout
         never ran); `profile`: the device profile alone. An upper bound on RecGuide's tok/s over
-        LinearSS's: a hit's round commits at most what a drafted one would, and a branch costs its
-        tokens whatever the outcome."""
-        out, hits = [], 0.0
+        LinearSS's at block `self.block`, one row's view: a hit's round commits at most what a
+        drafted one would, a branch costs its tokens whatever the outcome, and with R rows in a
+        step the draft forward is saved only when all R hit (the gate prices H ** R)."""
+        rounds = self.table3["rounds"]
+        out, prior = [], 0.0
         for k in range(self.max_slots + 1):
             if k:
-                hits = min(1.0, hits + self.hit_rate(k - 1))
+                prior = min(1.0, prior + self.prior_hits)
+            hits = self.prefix_covered[min(k, self.n_cand)] / rounds if rounds else prior
             row = {"slots": k, "hit_rate": round(hits, 4)}
             for name, t in (("measured", self.step_time_ms), ("profile", self.estimate_ms)):
                 plain = t(rows, self.block, "draft0")
@@ -474,9 +480,12 @@ class RecGuide(LinearSS):
             return False
         seq.state.setdefault("blocks", []).append(seq.block)
         wanted = h[H_WANTED]
-        for j in range(min(wanted, self.n_cand)):
+        covered = [h[H_COVERED + j] for j in range(min(wanted, self.n_cand))]
+        for j, c in enumerate(covered):
             self.slot_trials[j] += 1
-            self.slot_covered[j] += h[H_COVERED + j]
+            self.slot_covered[j] += c
+        for k in range(1, self.n_cand + 1):
+            self.prefix_covered[k] += int(any(covered[:k]))
         t = self.table3
         t["rounds"] += 1
         t["proposed"] += wanted
