@@ -2,8 +2,8 @@
 
 - the survival tables of RecGuide's verification-guided block sizes (default), from same-state
   block-size traces;
-- with `--drafter`, a calibration of the drafter's confidences (a temperature per draft position
-  on the log-odds of its draft probability), written as calibration.json beside the adapter.
+- with `--drafter`, a calibration of the drafter's confidences (a temperature and a bias per draft
+  position on the log-odds of its draft probability), written as calibration.json beside the adapter.
 
 Registered by fastspec.cli.main with `cli.add_command(calibrate)`.
 """
@@ -35,7 +35,7 @@ def default_tables_path(model_name: str) -> str:
 @device_options
 @backend_option
 @click.option("--drafter", is_flag=True,
-              help="Fit a temperature per draft position for the drafter's confidences instead of "
+              help="Fit a temperature and a bias per draft position for the drafter's confidences instead of "
                    "the survival tables, and write calibration.json beside the adapter.")
 @click.option("--train-data", "train_data", default=None,
               help="Training prompt files FILE[:weight],... (default: ../shared/data/train's GSM8K, "
@@ -62,8 +62,8 @@ def calibrate(model, adapter, device, dtype, backend, drafter, train_data, n_pro
     Survival tables: every round of a fixed-B trajectory also drafts and verifies every other
     block size from the same state (greedy), so each state gives how far B = 8, 16, 32 would each
     have been accepted.
-    --drafter: greedy LinearSS runs at each block size; per aligned draft index i, the T that
-    best predicts "accepted" from sigmoid(logit(p_draft) / T) (log loss), written with the counts
+    --drafter: greedy LinearSS runs at each block size; per aligned draft index i, the T and b that
+    best predicts "accepted" from sigmoid(logit(p_draft) / T + b) (log loss), written with the counts
     and the ECE before and after to calibration.json, which loading the adapter then reads.
     """
     from fastspec.cli.common import err_console
@@ -132,7 +132,7 @@ def default_train_data() -> str:
 def fit_drafter(engine, prompts: list[str], record: list[dict], blocks: list[int],
                 max_new_tokens: int, concurrency: int, out: str | None, command: str) -> str:
     """Greedy LinearSS over the training prompts at each block size, the per-round draft stats of
-    every round (evals.calibration.DraftStats), a temperature per aligned index fitted on them,
+    every round (evals.calibration.DraftStats), a temperature and bias per aligned index fitted on them,
     and calibration.json (beside the adapter unless --out) with the command, data, counts and
     ECE before and after."""
     from fastspec.cli.common import console, err_console
@@ -182,9 +182,11 @@ def fit_drafter(engine, prompts: list[str], record: list[dict], blocks: list[int
     path = save_calibration(cal, adapter_dir, out)
     fitted = cal.meta["fitted_indices"]
     console.print(f"{m['positions']} judged draft positions from {len(prompts)} prompts -> {path}")
-    temps = " ".join(f"{i}:{cal.temperature[i]:.2f}" for i in range(max(blocks)))
-    console.print(f"  T per aligned index {temps}; own fits at {fitted or 'none'}, the others "
-                  f"pooled ({cal.meta['pooled_temperature']:.2f}) or exact (1.00)")
+    temps = " ".join(f"{i}:{cal.temperature[i]:.2f}/{cal.bias[i] if cal.bias else 0:+.2f}"
+                     for i in range(max(blocks)))
+    console.print(f"  T/b per aligned index {temps}; own fits at {fitted or 'none'}, the others "
+                  f"pooled ({cal.meta['pooled_temperature']:.2f}/{cal.meta.get('pooled_bias', 0):+.2f}) "
+                  f"or exact (1.00/+0.00)")
     console.print(f"  ECE {m['ece']:.4f} -> {m['ece_calibrated']:.4f} (a calibrated drafter: ~"
                   f"{m['ece_floor']:.4f} on as many positions), Brier {m['brier']:.4f} -> "
                   f"{m['brier_calibrated']:.4f}, log loss {m['log_loss']:.4f} -> "

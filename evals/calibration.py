@@ -20,9 +20,9 @@ rejection" (1.0: the risk ranks every first rejection above every accepted draft
 than chance). Given a fitted `DraftCalibration` (fastspec.draft) it also reports the calibrated
 ECE, Brier and log loss.
 
-`fit_temperatures` fits that calibration: a temperature per aligned index on the log-odds of the
-draft probability, p_cal = sigmoid(logit(p) / T_i), by minimising the log loss of "accepted"
-(T_i > 1: the drafter was overconfident at index i).
+`fit_temperatures` fits that calibration: a temperature and a bias per aligned index on the
+log-odds of the draft probability, p_cal = sigmoid(logit(p) / T_i + b_i), by minimising the log
+loss of "accepted" (T_i > 1: overconfident at index i; b_i > 0: under-confident throughout).
 
 `DraftStats` gathers the per-round numbers while Engine.generate runs (no host read inside a
 round); `bench_calibration` turns them into the block `fastspec bench` writes per run.
@@ -77,10 +77,11 @@ def position_labels(n_drafted, block, width: int | Sequence[int], skip: int = 0)
     return out
 
 
-def scaled(p, temperature) -> np.ndarray:
-    """sigmoid(logit(p) / T), elementwise (p clipped off 0 and 1)."""
+def scaled(p, temperature, bias=0.0) -> np.ndarray:
+    """sigmoid(logit(p) / T + b), elementwise (p clipped off 0 and 1)."""
     p = np.clip(np.asarray(p, dtype=np.float64), 1e-6, 1 - 1e-6)
-    return 1 / (1 + np.exp(-np.log(p / (1 - p)) / np.asarray(temperature, dtype=np.float64)))
+    z = np.log(p / (1 - p)) / np.asarray(temperature, dtype=np.float64) + np.asarray(bias, dtype=np.float64)
+    return 1 / (1 + np.exp(-z))
 
 
 def ece(conf: np.ndarray, label: np.ndarray, bins: int = 10) -> tuple[float, list[dict]]:
@@ -161,12 +162,14 @@ def _judged(draft_prob, n_drafted, block, skip):
 
 def calibrated_probs(p: np.ndarray, index: np.ndarray, block: np.ndarray, calibration) -> np.ndarray:
     """Judged probabilities under a DraftCalibration (its table for each row's block size)."""
-    temps = np.ones(len(p))
+    temps, bias = np.ones(len(p)), np.zeros(len(p))
     for b in np.unique(block):
-        table = np.asarray(calibration.table(int(b)), dtype=np.float64)
         sel = block == b
-        temps[sel] = table[np.minimum(index[sel], len(table) - 1)]
-    return scaled(p, temps)
+        for out, table in ((temps, calibration.table(int(b))), (bias, calibration.bias_table(int(b)))):
+            table = np.asarray(table, dtype=np.float64)
+            if len(table):
+                out[sel] = table[np.minimum(index[sel], len(table) - 1)]
+    return scaled(p, temps, bias)
 
 
 def calibration_metrics(draft_prob, draft_confidence, draft_margin, n_drafted, block,
@@ -246,37 +249,84 @@ def fit_temperature(p, label) -> float:
     return float(1 / beta)
 
 
+def fit_platt(p, label) -> tuple[float, float]:
+    """(T, b) minimising the log loss of `label` under sigmoid(logit(p) / T + b): logistic
+    regression on z = logit(p) with an intercept (convex; damped Newton steps). The intercept
+    fixes a drafter that is under- or over-confident throughout, which a temperature alone
+    cannot (it only stretches the log-odds about 1/2). T clamped to T_RANGE; (1, 0) without data."""
+    p = np.clip(np.asarray(p, dtype=np.float64), 1e-6, 1 - 1e-6)
+    y = np.asarray(label, dtype=np.float64)
+    z = np.log(p / (1 - p))
+    if not len(z):
+        return 1.0, 0.0
+    lo, hi = 1 / T_RANGE[1], 1 / T_RANGE[0]
+    x = np.stack([z, np.ones_like(z)], axis=1)
+
+    def loss(w):
+        u = x @ w
+        return float(np.sum(np.logaddexp(0, u) - y * u))
+
+    w, cur = np.array([1.0, 0.0]), loss(np.array([1.0, 0.0]))
+    for _ in range(100):
+        s = 1 / (1 + np.exp(-(x @ w)))
+        g = x.T @ (s - y)
+        h = (x * (s * (1 - s))[:, None]).T @ x + 1e-9 * np.eye(2)
+        step = np.linalg.solve(h, g)
+        t = 1.0
+        while True:
+            new = w - t * step
+            new[0] = min(max(new[0], lo), hi)
+            new_loss = loss(new)
+            if new_loss <= cur or t < 1e-6:
+                break
+            t /= 2
+        done = np.max(np.abs(new - w)) < 1e-9
+        w, cur = (new, new_loss) if new_loss <= cur else (w, cur)
+        if done:
+            break
+    return float(1 / w[0]), float(w[1])
+
+
 def fit_temperatures(draft_prob, n_drafted, block, skip: int = 0, min_count: int = MIN_COUNT,
-                     width: int = 32):
-    """A DraftCalibration from per-round stats: a temperature per aligned index 0..width-1.
+                     width: int = 32, intercept: bool = True):
+    """A DraftCalibration from per-round stats: a temperature and (intercept=True) a bias per
+    aligned index 0..width-1 (`fit_platt`; intercept=False: the temperature alone).
 
     An index with at least `min_count` judged positions gets its own fit; a thinner one, the
-    fit over every judged position (pooled); exact indices (< skip) keep T = 1. With more than one
+    fit over every judged position (pooled); exact indices (< skip) keep T = 1, b = 0. With more than one
     block size in the data, each block size with data gets its own table the same way, its thin
     indices falling back to the pooled table's. Counts and log losses are in `meta`."""
     from fastspec.draft import DraftCalibration
     p, y, index, blk, _ = _judged(draft_prob, n_drafted, block, skip)
-    pooled = fit_temperature(p, y)
+    fit = fit_platt if intercept else (lambda p, y: (fit_temperature(p, y), 0.0))
+    pooled = fit(p, y)
 
     def table(sel, fallback):
         out = []
         for i in range(width):
             mine = sel & (index == i)
-            out.append(1.0 if i < skip else
-                       fit_temperature(p[mine], y[mine]) if mine.sum() >= min_count else fallback[i])
+            out.append((1.0, 0.0) if i < skip else
+                       fit(p[mine], y[mine]) if mine.sum() >= min_count else fallback[i])
         return out
 
     every = np.ones(len(p), dtype=bool)
-    temps = table(every, [pooled] * width)
+    both = table(every, [pooled] * width)
     by_block = {}
     if len(np.unique(blk)) > 1:
-        by_block = {int(b): table(blk == b, temps) for b in np.unique(blk)}
-    cal = DraftCalibration(temps, by_block)
+        by_block = {int(b): table(blk == b, both) for b in np.unique(blk)}
+    temps = lambda rows: [t for t, _ in rows]      # noqa: E731
+    biases = lambda rows: [b for _, b in rows] if intercept else []    # noqa: E731
+    cal = DraftCalibration(temps(both), {b: temps(r) for b, r in by_block.items()},
+                           bias=biases(both), by_block_bias={b: biases(r) for b, r in by_block.items()}
+                           if intercept else {})
     q = calibrated_probs(p, index, blk, cal)
     cal.meta = {
-        "fit": "T per aligned draft index minimising the log loss of 'accepted' under "
+        "fit": "T and b per aligned draft index minimising the log loss of 'accepted' under "
+               "sigmoid(logit(draft_prob) / T + b)" if intercept else
+               "T per aligned draft index minimising the log loss of 'accepted' under "
                "sigmoid(logit(draft_prob) / T)",
-        "exact_positions": skip, "min_count": min_count, "pooled_temperature": pooled,
+        "exact_positions": skip, "min_count": min_count, "pooled_temperature": pooled[0],
+        "pooled_bias": pooled[1],
         "counts": {"rounds": int(_np(n_drafted, np.int64).size),
                    "positions": int(len(y)), "accepted": int(y.sum()),
                    "by_index": [int((index == i).sum()) for i in range(width)],

@@ -187,23 +187,30 @@ def has_adapter(model: LlamaModel) -> bool:
 # --- a fitted calibration of the drafter's confidences, shipped beside the adapter ------------
 @dataclass
 class DraftCalibration:
-    """Temperatures on the log-odds of the drafter's probability of its own draft, one per aligned
-    draft index i (the draft of d(i+1), as RoundOutput.draft_prob indexes it), fitted on training
-    prompts so that the scaled probability predicts acceptance:
+    """Temperatures (and biases) on the log-odds of the drafter's probability of its own draft,
+    one per aligned draft index i (the draft of d(i+1), as RoundOutput.draft_prob indexes it),
+    fitted on training prompts so that the scaled probability predicts acceptance:
 
-        p_cal = sigmoid(logit(p) / T[i])        T > 1 pulls an overconfident p toward 1/2
+        p_cal = sigmoid(logit(p) / T[i] + b[i])   T > 1 pulls an overconfident p toward 1/2;
+                                                  b > 0 lifts an under-confident drafter's p
 
-    `temperature` pools every block size; `by_block` holds a table per block size where the data
-    allowed one (else the pooled table serves that block). Indices past a table's end use its
-    last entry."""
+    `temperature` (`bias`) pools every block size; `by_block` (`by_block_bias`) holds a table per
+    block size where the data allowed one (else the pooled table serves that block). Indices past
+    a table's end use its last entry; no bias table means b = 0."""
     temperature: list[float]
     by_block: dict[int, list[float]] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
+    bias: list[float] = field(default_factory=list)
+    by_block_bias: dict[int, list[float]] = field(default_factory=dict)
 
     def table(self, block: int | None = None) -> list[float]:
         """Per-index temperatures for rows of this block size."""
         return list(self.by_block.get(int(block), self.temperature) if block is not None
                     else self.temperature)
+
+    def bias_table(self, block: int | None = None) -> list[float]:
+        """Per-index biases for rows of this block size ([] when none was fitted: b = 0)."""
+        return list(self.by_block_bias.get(int(block), self.bias) if block is not None else self.bias)
 
     def temperatures(self, n: int, block: int | None = None, device=None) -> torch.Tensor:
         """[n] float32 temperatures of aligned indices 0..n-1 (the last entry repeats past the end)."""
@@ -215,14 +222,21 @@ class DraftCalibration:
         """Calibrated probabilities of [..., n] draft probabilities (index i along the last dim).
         Host side (it builds the temperature tensor each call): a traced round should close over
         `temperatures(n, device=...)` made once outside it."""
-        temps = self.temperatures(prob.shape[-1], block, prob.device)
+        n = prob.shape[-1]
+        temps = self.temperatures(n, block, prob.device)
+        b = self.bias_table(block)
+        bias = torch.tensor([b[min(i, len(b) - 1)] for i in range(n)] if b else [0.0] * n,
+                            dtype=torch.float32, device=prob.device)
         eps = 1e-6
-        return torch.sigmoid(torch.logit(prob.float().clamp(eps, 1 - eps)) / temps)
+        return torch.sigmoid(torch.logit(prob.float().clamp(eps, 1 - eps)) / temps + bias)
 
     def to_dict(self) -> dict:
-        return {"temperature": [float(t) for t in self.temperature],
-                "by_block": {str(b): [float(t) for t in ts] for b, ts in sorted(self.by_block.items())},
-                **self.meta}
+        out = {"temperature": [float(t) for t in self.temperature],
+               "by_block": {str(b): [float(t) for t in ts] for b, ts in sorted(self.by_block.items())}}
+        if self.bias:
+            out["bias"] = [float(x) for x in self.bias]
+            out["by_block_bias"] = {str(b): [float(x) for x in xs] for b, xs in sorted(self.by_block_bias.items())}
+        return {**out, **self.meta}
 
     @classmethod
     def from_dict(cls, raw: dict) -> "DraftCalibration":
@@ -233,9 +247,15 @@ class DraftCalibration:
                 isinstance(t, list) and t and all(isinstance(x, (int, float)) and math.isfinite(x)
                                                   and x > 0 for x in t) for t in tables):
             raise FastspecError("a draft calibration needs 'temperature': a list of positive numbers")
-        meta = {k: v for k, v in raw.items() if k not in ("temperature", "by_block")}
+        bias, by_block_bias = raw.get("bias") or [], raw.get("by_block_bias") or {}
+        if not isinstance(by_block_bias, dict) or not all(
+                isinstance(t, list) and all(isinstance(x, (int, float)) and math.isfinite(x) for x in t)
+                for t in [bias, *by_block_bias.values()]):
+            raise FastspecError("a draft calibration's 'bias' must be lists of finite numbers")
+        meta = {k: v for k, v in raw.items() if k not in ("temperature", "by_block", "bias", "by_block_bias")}
         return cls([float(t) for t in temps], {int(b): [float(t) for t in ts] for b, ts in by_block.items()},
-                   meta)
+                   meta, [float(x) for x in bias],
+                   {int(b): [float(x) for x in xs] for b, xs in by_block_bias.items()})
 
 
 def adapter_digest(directory: str) -> str:
@@ -252,7 +272,8 @@ def save_calibration(cal: DraftCalibration, directory: str, path: str | None = N
     calibration.json beside it (or to `path`); returns where."""
     from fastspec.files import write_json
     stamped = DraftCalibration(cal.temperature, cal.by_block,
-                               {**cal.meta, "adapter_sha256": adapter_digest(directory)})
+                               {**cal.meta, "adapter_sha256": adapter_digest(directory)},
+                               cal.bias, cal.by_block_bias)
     return write_json(path or os.path.join(directory, CALIBRATION_FILE), stamped.to_dict())
 
 

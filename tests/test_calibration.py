@@ -158,6 +158,37 @@ def test_temperature_fit_recovers_a_known_temperature():
         assert fit_temperature(p, y) == pytest.approx(t, rel=0.06)
 
 
+def test_platt_fit_recovers_a_known_temperature_and_bias():
+    from fastspec.evals.calibration import fit_platt, scaled
+    rng = np.random.default_rng(2)
+    p = rng.uniform(0.02, 0.98, size=60_000)
+    for t, b in ((1.0, 0.0), (0.8, 0.6), (2.0, -0.5)):
+        y = rng.uniform(size=p.size) < scaled(p, t, b)
+        got_t, got_b = fit_platt(p, y)
+        assert got_t == pytest.approx(t, rel=0.06) and got_b == pytest.approx(b, abs=0.05)
+
+
+def test_a_bias_calibrates_an_under_confident_drafter_where_a_temperature_cannot():
+    """Drafts accepted with sigmoid(logit(p) + 0.7): every p is too low. A temperature only
+    stretches the log-odds about 1/2 and leaves most of the gap; T and b close it."""
+    from fastspec.evals.calibration import fit_temperatures
+    rng = np.random.default_rng(3)
+    rounds, n = 30_000, 4
+    p = rng.uniform(0.3, 0.9, size=(rounds, n))
+    ok = rng.uniform(size=(rounds, n)) < 1 / (1 + np.exp(-(np.log(p / (1 - p)) + 0.7)))
+    ok[:, :1] = True
+    data = dict(draft_prob=p, n_drafted=np.cumprod(ok, axis=1).sum(1), block=np.full(rounds, n + 1))
+    kw = dict(draft_confidence=p, draft_margin=p, n_drafted=data["n_drafted"], block=data["block"], skip=1)
+    temp_only = fit_temperatures(**data, skip=1, min_count=500, width=n, intercept=False)
+    platt = fit_temperatures(**data, skip=1, min_count=500, width=n)
+    assert temp_only.bias == [] and platt.bias[0] == 0.0
+    assert platt.bias[1:] == pytest.approx([0.7] * (n - 1), abs=0.1)
+    raw = calibration_metrics(p, calibration=None, **kw)["ece"]
+    by_t = calibration_metrics(p, calibration=temp_only, **kw)["ece_calibrated"]
+    by_tb = calibration_metrics(p, calibration=platt, **kw)["ece_calibrated"]
+    assert raw > 0.1 and by_t > raw / 3 and by_tb < 0.02
+
+
 def test_temperature_per_position_recovers_each_index_and_pools_thin_ones():
     from fastspec.evals.calibration import fit_temperatures
     data = drafted_rounds([1.0, 2.0, 0.6, 1.5], 30_000)
@@ -221,6 +252,20 @@ def test_calibration_json_round_trip_onto_a_model(tmp_path, capsys):
     load_adapter(fresh, d)
     assert fresh.draft_calibration is None
     assert "fitted for other adapter weights" in capsys.readouterr().err
+    # A bias table travels with the file and shifts the log-odds: sigmoid(logit(p) / T + b).
+    save_adapter(tiny_drafter().model, d)
+    save_calibration(DraftCalibration([1.0, 2.0], {}, {}, [0.0, 0.5], {8: [0.0, -1.0]}), d)
+    load_adapter(fresh, d)
+    got = fresh.draft_calibration
+    assert got.bias == [0.0, 0.5] and got.by_block_bias == {8: [0.0, -1.0]}
+    z = math.log(4) / 2
+    assert got.apply(torch.tensor([[0.5, 0.8, 0.8]])).tolist()[0] == pytest.approx(
+        [0.5, 1 / (1 + math.exp(-(z + 0.5))), 1 / (1 + math.exp(-(z + 0.5)))])
+    assert got.apply(torch.tensor([[0.5, 0.8]]), block=8).tolist()[0] == pytest.approx(
+        [0.5, 1 / (1 + math.exp(-(z - 1.0)))])       # block 8: the pooled T, its own b
+    (tmp_path / "draft" / CALIBRATION_FILE).write_text('{"temperature": [1.0], "bias": [1e999]}')
+    with pytest.raises(Exception, match="bias"):
+        load_adapter(fresh, d)
     (tmp_path / "draft" / CALIBRATION_FILE).write_text('{"temperature": [1.0, -2]}')
     from fastspec.config import FastspecError
     with pytest.raises(FastspecError, match="positive"):
