@@ -216,61 +216,31 @@ def calibration_metrics(draft_prob, draft_confidence, draft_margin, n_drafted, b
 
 
 # --- fitting a temperature per position -----------------------------------------------------------
-def fit_temperature(p, label) -> float:
-    """The T minimising the log loss of `label` under sigmoid(logit(p) / T): logistic regression
-    of the label on z = logit(p) without intercept, slope β = 1/T, which is convex in β (Newton
-    steps, halved while the loss does not fall). Clamped to T_RANGE; 1.0 without data."""
-    p = np.clip(np.asarray(p, dtype=np.float64), 1e-6, 1 - 1e-6)
-    y = np.asarray(label, dtype=np.float64)
-    z = np.log(p / (1 - p))
-    if not len(z) or not np.any(z):
-        return 1.0
-    lo, hi = 1 / T_RANGE[1], 1 / T_RANGE[0]
-
-    def loss(beta):
-        return float(np.sum(np.logaddexp(0, beta * z) - y * beta * z))
-
-    beta, cur = 1.0, loss(1.0)
-    for _ in range(100):
-        s = 1 / (1 + np.exp(-beta * z))
-        g, h = float(np.sum((s - y) * z)), float(np.sum(s * (1 - s) * z * z))
-        step = g / max(h, 1e-12)
-        t = 1.0
-        while True:
-            new = min(max(beta - t * step, lo), hi)
-            new_loss = loss(new)
-            if new_loss <= cur or t < 1e-6:
-                break
-            t /= 2
-        done = abs(new - beta) < 1e-9 * max(1.0, beta)
-        beta, cur = new, min(cur, new_loss)
-        if done:
-            break
-    return float(1 / beta)
-
-
-def fit_platt(p, label) -> tuple[float, float]:
+def fit_platt(p, label, intercept: bool = True) -> tuple[float, float]:
     """(T, b) minimising the log loss of `label` under sigmoid(logit(p) / T + b): logistic
-    regression on z = logit(p) with an intercept (convex; damped Newton steps). The intercept
-    fixes a drafter that is under- or over-confident throughout, which a temperature alone
-    cannot (it only stretches the log-odds about 1/2). T clamped to T_RANGE; (1, 0) without data."""
+    regression of the label on z = logit(p), slope β = 1/T, with an intercept b (or b = 0),
+    convex in (β, b) (Newton steps, halved while the loss does not fall). The intercept fixes a
+    drafter that is under- or over-confident throughout, which a temperature alone cannot (it
+    only stretches the log-odds about 1/2). T clamped to T_RANGE; (1, 0) without data."""
     p = np.clip(np.asarray(p, dtype=np.float64), 1e-6, 1 - 1e-6)
     y = np.asarray(label, dtype=np.float64)
     z = np.log(p / (1 - p))
-    if not len(z):
+    if not len(z) or not (intercept or np.any(z)):
         return 1.0, 0.0
     lo, hi = 1 / T_RANGE[1], 1 / T_RANGE[0]
-    x = np.stack([z, np.ones_like(z)], axis=1)
+    x = np.stack([z, np.ones_like(z)] if intercept else [z], axis=1)
 
     def loss(w):
         u = x @ w
         return float(np.sum(np.logaddexp(0, u) - y * u))
 
-    w, cur = np.array([1.0, 0.0]), loss(np.array([1.0, 0.0]))
+    w = np.zeros(x.shape[1])
+    w[0] = 1.0
+    cur = loss(w)
     for _ in range(100):
         s = 1 / (1 + np.exp(-(x @ w)))
         g = x.T @ (s - y)
-        h = (x * (s * (1 - s))[:, None]).T @ x + 1e-9 * np.eye(2)
+        h = (x * (s * (1 - s))[:, None]).T @ x + 1e-12 * np.eye(len(w))
         step = np.linalg.solve(h, g)
         t = 1.0
         while True:
@@ -280,11 +250,17 @@ def fit_platt(p, label) -> tuple[float, float]:
             if new_loss <= cur or t < 1e-6:
                 break
             t /= 2
-        done = np.max(np.abs(new - w)) < 1e-9
-        w, cur = (new, new_loss) if new_loss <= cur else (w, cur)
+        done = np.max(np.abs(new - w)) < 1e-9 * max(1.0, abs(w[0]))
+        if new_loss <= cur:
+            w, cur = new, new_loss
         if done:
             break
-    return float(1 / w[0]), float(w[1])
+    return float(1 / w[0]), float(w[1]) if intercept else 0.0
+
+
+def fit_temperature(p, label) -> float:
+    """The T of `fit_platt` without an intercept: sigmoid(logit(p) / T)."""
+    return fit_platt(p, label, intercept=False)[0]
 
 
 def fit_temperatures(draft_prob, n_drafted, block, skip: int = 0, min_count: int = MIN_COUNT,
@@ -298,7 +274,7 @@ def fit_temperatures(draft_prob, n_drafted, block, skip: int = 0, min_count: int
     indices falling back to the pooled table's. Counts and log losses are in `meta`."""
     from fastspec.draft import DraftCalibration
     p, y, index, blk, _ = _judged(draft_prob, n_drafted, block, skip)
-    fit = fit_platt if intercept else (lambda p, y: (fit_temperature(p, y), 0.0))
+    fit = lambda p, y: fit_platt(p, y, intercept)      # noqa: E731
     pooled = fit(p, y)
 
     def table(sel, fallback):

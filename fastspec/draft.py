@@ -185,6 +185,13 @@ def has_adapter(model: LlamaModel) -> bool:
 
 
 # --- a fitted calibration of the drafter's confidences, shipped beside the adapter ------------
+def _per_index(table: list[float], n: int, default: float, device=None) -> torch.Tensor:
+    """[n] float32 entries of a per-index table for indices 0..n-1: the last entry repeats past
+    its end; an empty table is `default` everywhere."""
+    return torch.tensor([table[min(i, len(table) - 1)] if table else default for i in range(n)],
+                        dtype=torch.float32, device=device)
+
+
 @dataclass
 class DraftCalibration:
     """Temperatures (and biases) on the log-odds of the drafter's probability of its own draft,
@@ -214,21 +221,19 @@ class DraftCalibration:
 
     def temperatures(self, n: int, block: int | None = None, device=None) -> torch.Tensor:
         """[n] float32 temperatures of aligned indices 0..n-1 (the last entry repeats past the end)."""
-        t = self.table(block)
-        return torch.tensor([t[min(i, len(t) - 1)] for i in range(n)], dtype=torch.float32,
-                            device=device)
+        return _per_index(self.table(block), n, 1.0, device)
+
+    def biases(self, n: int, block: int | None = None, device=None) -> torch.Tensor:
+        """[n] float32 biases of aligned indices 0..n-1 (zeros when none was fitted)."""
+        return _per_index(self.bias_table(block), n, 0.0, device)
 
     def apply(self, prob: torch.Tensor, block: int | None = None) -> torch.Tensor:
         """Calibrated probabilities of [..., n] draft probabilities (index i along the last dim).
         Host side (it builds the temperature tensor each call): a traced round should close over
         `temperatures(n, device=...)` made once outside it."""
-        n = prob.shape[-1]
-        temps = self.temperatures(n, block, prob.device)
-        b = self.bias_table(block)
-        bias = torch.tensor([b[min(i, len(b) - 1)] for i in range(n)] if b else [0.0] * n,
-                            dtype=torch.float32, device=prob.device)
-        eps = 1e-6
-        return torch.sigmoid(torch.logit(prob.float().clamp(eps, 1 - eps)) / temps + bias)
+        n, eps = prob.shape[-1], 1e-6
+        return torch.sigmoid(torch.logit(prob.float().clamp(eps, 1 - eps)) / self.temperatures(n, block, prob.device)
+                             + self.biases(n, block, prob.device))
 
     def to_dict(self) -> dict:
         out = {"temperature": [float(t) for t in self.temperature],
