@@ -69,9 +69,10 @@ def profile(model, device, dtype, weights, backend, batches, blocks, layouts, co
     apply_weight_precision(loaded.model, weights)
     param = next(loaded.model.parameters())
     device = param.device
-    env = run_environment(device, param.dtype, ran_backend(StepRunner(backend), device), weights)
+    env = run_environment(device, param.dtype, ran_backend(StepRunner(backend), device), weights,
+                          loaded.model)
     console.print(f"[dim]{model} on {env['device']}, {env['dtype']}, backend {env['backend']}, "
-                  f"weights {env['weights']}, kernel {env['kernel']} (CPU ISA {env['isa']})[/]",
+                  f"weights {env['weights']}, kernel {env['kernel']}{', ' + env['prefetch'] if env.get('prefetch') else ''} (CPU ISA {env['isa']})[/]",
                   highlight=False)
     out = out or default_path(device_name(device), loaded.name)
     png = png or os.path.splitext(out)[0] + ".png"

@@ -166,7 +166,7 @@ def environment(engines, model: str) -> dict:
     except OSError:
         commit = None
     ran = ",".join(ran_backend(e.runner, e.device) for e in engines)
-    return {**run_environment(first.device, first.dtype, ran, weight_precision(first.model)),
+    return {**run_environment(first.device, first.dtype, ran, weight_precision(first.model), first.model),
             "model": model, "commit": commit,
             "adapter": getattr(first.loaded, "adapter_path", None),
             "dflash": getattr(getattr(first.model, "dflash", None), "source_path", None),
@@ -232,7 +232,7 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", dflash="a
                                 f"pass --dflash DIR")
     env = environment([e for e, _ in engines], model)
     console.print(f"[dim]{model} on {env['device']}, {env['dtype']}, backend {env['backend']}, "
-                  f"weights {env['weights']}, kernel {env['kernel']} (CPU ISA {env['isa']})[/]",
+                  f"weights {env['weights']}, kernel {env['kernel']}{', ' + env['prefetch'] if env.get('prefetch') else ''} (CPU ISA {env['isa']})[/]",
                   highlight=False)
     prompt_ids = prompt_token_ids(engine, items)
     records: list[Record] = []

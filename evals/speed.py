@@ -111,14 +111,15 @@ def run_speed(*, model, new_tokens, batches, ns, context, hf, json_out, console:
     check_grid(loaded.model, [1, 4], ns, LAYOUTS, [context], backend, 1)   # the T(N) table fits
     engine = Engine(loaded, backend=backend)
     cfg = loaded.cfg
-    env = run_environment(engine.device, engine.dtype, ran_backend(engine.runner, engine.device), weights)
+    env = run_environment(engine.device, engine.dtype, ran_backend(engine.runner, engine.device), weights,
+                          engine.model)
     bw = measure_bandwidth(engine.device, mib=bandwidth_mib) / 1e9
     # The skinny kernel streams packed bf16 / int8 panels; any other path reads --dtype weights.
     packed = env["kernel"].startswith("skinny-") and engine.dtype == torch.float32
     weight_bytes = cfg.weight_bytes(BYTES[weights] if packed else engine.dtype.itemsize)
     floor_ms = weight_bytes / (bw * 1e9) * 1e3
     console.print(f"model {model} on {env['device']}, {env['dtype']}, backend {env['backend']}, "
-                  f"weights {env['weights']}, kernel {env['kernel']} (CPU ISA {env['isa']}): "
+                  f"weights {env['weights']}, kernel {env['kernel']}{', ' + env['prefetch'] if env.get('prefetch') else ''} (CPU ISA {env['isa']}): "
                   f"{weight_bytes / 1e6:.0f} MB of weights per step; read bandwidth {bw:.1f} GB/s -> "
                   f"floor {floor_ms:.1f} ms/token at batch 1", highlight=False)
     hf_model = hf_model_from(loaded) if hf else None

@@ -5,6 +5,7 @@ verify), random weights packed at a precision, called back to back as a forward 
 
     FASTSPEC_ISA=avx2 python -m fastspec.graphs.gemm_seq int8      # fp32 | bf16 | int8
     FASTSPEC_ISA=amx python -m fastspec.graphs.gemm_seq bf16 8     # 8 rows
+    FASTSPEC_PREFETCH=off python -m fastspec.graphs.gemm_seq fp32 1   # the prefetch pinned off
 
 Prints the median and min ms of 20 passes and the weight bytes per second; the figures in the
 prefetch note in results/README.md come from it (2 threads)."""
@@ -28,6 +29,8 @@ def main(precision: str = "fp32", rows: int = 1, model: str = "smollm2-135m", pa
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     shapes = [(qkv, h), (h, cfg.num_heads * cfg.head_dim), (2 * inter, h), (h, inter)] * cfg.num_layers
     shapes.append((cfg.vocab_size, h))
+    # The prefetch policy a run would use (FASTSPEC_PREFETCH=rule|on|off pins it).
+    kernels.tune_prefetch(k, precision, shapes)
     g = torch.Generator().manual_seed(0)
     packed = []
     for out_f, in_f in shapes:
@@ -49,7 +52,8 @@ def main(precision: str = "fp32", rows: int = 1, model: str = "smollm2-135m", pa
         times.append(time.perf_counter() - t0)
     nbytes = sum(p.numel() * p.element_size() for p, *_ in packed)
     med = statistics.median(times)
-    print(f"{k.path} {precision}, {rows} row(s), {torch.get_num_threads()} threads: median {med * 1e3:.2f} ms, "
+    print(f"{k.path} {precision}, {rows} row(s), {torch.get_num_threads()} threads, "
+          f"{kernels.prefetch_summary(precision)}: median {med * 1e3:.2f} ms, "
           f"min {min(times) * 1e3:.2f} ms, {nbytes / med / 1e9:.1f} GB/s of weights")
 
 

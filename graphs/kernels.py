@@ -71,6 +71,7 @@ _CPP = r"""
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -241,6 +242,23 @@ constexpr bool prefetch_rows(int64_t M) {
   return PANEL * sizeof(WT) <= 64 || M >= 8;
 }
 
+// The rule above is what Sapphire Rapids and Zen 4 want; Zen 3 differs (its AVX2 fp32 decode
+// GEMMs: 44 ms with the 1-row prefetch, 32 ms without). So a machine may overwrite it once, after
+// measuring both (fastspec.graphs.kernels.tune_prefetch): per weight type (fp32, bf16, int8) and
+// 1 row | more rows, -1 = the rule, 0 = off, 1 = on. Set before any GEMM runs, read-only after.
+int g_prefetch[3][2] = {{-1, -1}, {-1, -1}, {-1, -1}};
+
+template <typename WT>
+constexpr int weight_type() {
+  return std::is_same<WT, float>::value ? 0 : std::is_same<WT, uint16_t>::value ? 1 : 2;
+}
+
+template <typename WT>
+bool prefetch_on(int64_t M) {
+  const int p = g_prefetch[weight_type<WT>()][M > 1];
+  return p < 0 ? prefetch_rows<WT>(M) : p > 0;
+}
+
 // How many panel rows ahead to prefetch.
 template <typename WT>
 constexpr int64_t prefetch_distance(int64_t M) {
@@ -253,7 +271,7 @@ void panels(const WT* packed, const float* scales, const float* x, float* y, int
   static constexpr auto K = table<WT>(std::make_index_sequence<MR_MAX>{});
   const int64_t tiles = (M + MR_MAX - 1) / MR_MAX;
   const int64_t kc = tiles == 1 ? I : KC;
-  const bool pf = prefetch_rows<WT>(M);
+  const bool pf = prefetch_on<WT>(M);
   const int64_t pf_rows = prefetch_distance<WT>(M);
   std::vector<float> scratch(M * PANEL);
   float* c = scratch.data();
@@ -615,6 +633,19 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k_layer, const
   return out;
 }
 
+// The prefetch policy (g_prefetch) for one weight type (0 fp32, 1 bf16, 2 int8) and 1 row (0) |
+// more rows (1): -1 the built-in rule, 0 off, 1 on. Returns the effective setting before the call
+// (0 or 1), so a caller can measure both and put back what it found.
+int64_t set_prefetch(int64_t weight, int64_t multi, int64_t mode) {
+  TORCH_CHECK(weight >= 0 && weight < 3 && (multi == 0 || multi == 1) && mode >= -1 && mode <= 1,
+              "set_prefetch: weight 0..2, multi 0|1, mode -1|0|1");
+  const int64_t M = multi ? 8 : 1;
+  const bool before = weight == 0 ? prefetch_on<float>(M) : weight == 1 ? prefetch_on<uint16_t>(M)
+                                                                         : prefetch_on<int8_t>(M);
+  g_prefetch[weight][multi] = int(mode);
+  return before;
+}
+
 // cache[layer][rows, :, cols] = value, in place (rows/cols broadcast like advanced indexing).
 void kv_write_(at::Tensor& cache, int64_t layer, const at::Tensor& rows, const at::Tensor& cols,
                const at::Tensor& value) {
@@ -634,6 +665,7 @@ FS_LIBRARY(FASTSPEC_NS, m) {
   m.def("kv_write_(Tensor(a!) cache, int layer, Tensor rows, Tensor cols, Tensor value) -> ()");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? scales, int out_features) -> Tensor");
   m.def("cache_attention(Tensor q, Tensor k_layer, Tensor v_layer, Tensor slots, Tensor mask) -> Tensor");
+  m.def("set_prefetch(int weight, int multi, int mode) -> int", &set_prefetch);   // no tensors: catch-all
 }
 FS_LIBRARY_IMPL(FASTSPEC_NS, CPU, m) {
   m.impl("skinny_linear", &skinny_linear);
@@ -826,6 +858,162 @@ def kernel_path() -> str:
     skinny-neon, or fallback (inductor's GEMM)."""
     k = active()
     return k.path if k is not None else "fallback"
+
+
+
+# --- software prefetch: the built-in rule, or what this machine measured ---------------------
+# The kernel's prefetch rule (`prefetch_rows` in the source) was measured on Sapphire Rapids and
+# Zen 4; other cores disagree (Zen 3, AVX2 fp32, 1 row: the whole forward's GEMMs 44 ms with it,
+# 32 ms without). So on first use of a (kernel, weight precision) the kernel times its own GEMMs
+# on ~128 MB of panels (more than a last-level cache holds) with the prefetch off and on, for 1
+# row (AR) and 8 rows (a draft or verify block), and keeps the rule's choice unless the other is
+# faster by more than PREFETCH_MARGIN. The choice is cached on disk per CPU model, ISA, threads
+# and kernel source. FASTSPEC_PREFETCH=auto (default) | rule | on | off.
+PREFETCH_MODES = ("auto", "rule", "on", "off")
+PREFETCH_MARGIN = 0.03
+_WEIGHT_TYPE = {"fp32": 0, "bf16": 1, "int8": 2}
+_TUNE_ROWS = (1, 8)
+_TUNE_BYTES = 128 << 20
+_prefetch: dict[tuple[str, str], dict] = {}
+
+
+def prefetch_mode() -> str:
+    mode = os.environ.get("FASTSPEC_PREFETCH", "auto").strip().lower() or "auto"
+    if mode not in PREFETCH_MODES:
+        raise FastspecError(f"FASTSPEC_PREFETCH={mode}: unknown (choose {'|'.join(PREFETCH_MODES)})")
+    return mode
+
+
+def keep_or_switch(rule_on: bool, t_off: float, t_on: float, margin: float = PREFETCH_MARGIN) -> bool:
+    """Prefetch on? The rule's choice unless the other setting's time is more than `margin`
+    (a fraction) below it: timing noise alone must not flip a setting."""
+    t_rule, t_other = (t_on, t_off) if rule_on else (t_off, t_on)
+    return (not rule_on) if t_other < t_rule * (1 - margin) else rule_on
+
+
+def _cpu_key(kernel: "Kernel") -> str:
+    from fastspec.graphs.profile import device_name
+    return f"{device_name('cpu')} {kernel.isa} {hashlib.sha1(_CPP.encode()).hexdigest()[:12]} {torch.__version__}"
+
+
+# A decoder layer's projections when the caller names no model (SmolLM2-135M's: qkv, o, gate_up,
+# down): one shape alone misleads (Zen 3, 1 row: 1536 x 576 panels gained 3% without the
+# prefetch, the whole forward 25%).
+_DEFAULT_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+
+
+def _time_gemms(kernel: "Kernel", precision: str, shapes=_DEFAULT_SHAPES, timer=None,
+                reps: int = 5) -> dict[tuple[int, bool], float]:
+    """Median seconds of one pass over ~_TUNE_BYTES of random panels of the given [out, in]
+    shapes (in order, cycled), per (rows, prefetch on), the two settings alternated pass by pass."""
+    import statistics
+    import time
+    timer = timer or time.perf_counter
+    wt = _WEIGHT_TYPE[precision]
+    dtype = _PANEL_DTYPE[precision]
+    size = torch.tensor([], dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(0)
+    mats, total, n = [], 0, 0
+    while total < _TUNE_BYTES:
+        out_f, in_f = shapes[n % len(shapes)]
+        n += 1
+        nb = -(-out_f // kernel.panel)
+        w = torch.randint(-100, 100, (nb, in_f, kernel.panel), generator=g, dtype=torch.int8)
+        panels = w if precision == "int8" else (w.to(torch.float32) / 64).to(dtype)
+        mats.append((panels, torch.full((nb * kernel.panel,), 0.01) if precision == "int8" else None, out_f, in_f))
+        total += panels.numel() * size
+    xs = {}
+    out: dict[tuple[int, bool], float] = {}
+    try:
+        for rows in _TUNE_ROWS:
+            for _, _, _, in_f in mats:
+                xs[in_f] = torch.randn(rows, in_f, generator=g)
+            samples: dict[bool, list[float]] = {False: [], True: []}
+            for rep in range(reps + 1):
+                for on in (False, True):
+                    kernel.ops.set_prefetch(wt, int(rows > 1), int(on))
+                    t0 = timer()
+                    for panels, scales, out_f, in_f in mats:
+                        kernel.ops.skinny_linear(xs[in_f], panels, scales, out_f)
+                    if rep:                          # the first pass of each setting warms up
+                        samples[on].append(timer() - t0)
+            for on in (False, True):
+                out[(rows, on)] = statistics.median(samples[on])
+    finally:
+        for multi in (0, 1):
+            kernel.ops.set_prefetch(wt, multi, -1)
+    return out
+
+
+def tune_prefetch(kernel: "Kernel", precision: str, shapes=None, timer=None) -> dict:
+    """Set (once per process) and return the kernel's prefetch policy for `precision`, measured
+    on the model's linear shapes ([out, in] pairs; None: a SmolLM2 layer's):
+    {"1": on?, "8": on?, "source": "rule" | "measured" | "cached" | "forced", "ms": {...}}."""
+    key = (kernel.isa, precision)
+    if key in _prefetch:
+        return _prefetch[key]
+    mode = prefetch_mode()
+    wt = _WEIGHT_TYPE[precision]
+    rule = {}
+    for multi, rows in enumerate(_TUNE_ROWS):
+        rule[str(rows)] = bool(kernel.ops.set_prefetch(wt, multi, -1))
+    if mode == "rule":
+        policy = {**rule, "source": "rule"}
+    elif mode in ("on", "off"):
+        policy = {str(r): mode == "on" for r in _TUNE_ROWS} | {"source": "forced"}
+    else:
+        import json
+        from fastspec.files import write_json
+        path = os.path.join(_build_dir(), "prefetch.json")
+        shapes = tuple(map(tuple, shapes or _DEFAULT_SHAPES))
+        entry = f"{_cpu_key(kernel)} {precision} {hashlib.sha1(repr(shapes).encode()).hexdigest()[:8]}"
+        try:
+            with open(path) as f:
+                known = json.load(f)
+        except (OSError, ValueError):
+            known = {}
+        if isinstance(known.get(entry), dict) and all(str(r) in known[entry] for r in _TUNE_ROWS):
+            policy = {**known[entry], "source": "cached"}
+        else:
+            t = _time_gemms(kernel, precision, shapes, timer)
+            policy = {str(r): keep_or_switch(rule[str(r)], t[(r, False)], t[(r, True)]) for r in _TUNE_ROWS}
+            policy["ms"] = {f"{r} row{'s' * (r > 1)}, prefetch {'on' if on else 'off'}": round(v * 1e3, 3)
+                            for (r, on), v in t.items()}
+            known[entry] = policy
+            try:
+                write_json(path, known)
+            except OSError:
+                pass                                     # a read-only cache: measure again next time
+            policy = {**policy, "source": "measured"}
+    for multi, rows in enumerate(_TUNE_ROWS):
+        kernel.ops.set_prefetch(wt, multi, int(policy[str(rows)]))
+    _prefetch[key] = policy
+    return policy
+
+
+def model_gemms(model) -> tuple[str, tuple[tuple[int, int], ...] | None]:
+    """(weight precision, [out, in] shapes of the big linears) of a model, for tune_prefetch
+    (None: no model, the default shapes)."""
+    from fastspec.weights import big_linear_weights, weight_precision
+    if model is None:
+        return "fp32", None
+    # In the forward's order: the measured prefix (~_TUNE_BYTES) is its first layers. A model
+    # that a cache holds (tests' tiny ones) says nothing about streaming: the default shapes.
+    weights = [p for _, p in big_linear_weights(model) if p.dim() == 2]
+    if sum(p.numel() for p in weights) < _TUNE_BYTES // 16:
+        return weight_precision(model), None
+    return weight_precision(model), tuple(tuple(p.shape) for p in weights)
+
+
+def prefetch_summary(precision: str) -> str | None:
+    """One phrase for run headers, e.g. "prefetch 1 row off, 8 rows on (measured)"; None before
+    the kernel has run at this precision."""
+    k = active()
+    policy = _prefetch.get((k.isa, precision)) if k is not None else None
+    if policy is None:
+        return None
+    onoff = lambda r: "on" if policy[str(r)] else "off"
+    return f"prefetch 1 row {onoff(1)}, 8 rows {onoff(8)} ({policy['source']})"
 
 
 def skinny_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | None,

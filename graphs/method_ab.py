@@ -112,6 +112,7 @@ def main() -> None:
             rows.append(r)
     if args.out:
         env = {"device": device_name("cpu"), "kernel": kernels.kernel_path(),
+               "prefetch": kernels.prefetch_summary(args.weights),
                "threads": torch.get_num_threads(), "torch": torch.__version__, "model": args.model,
                "weights": args.weights,
                "prompts": f"first {args.limit} of {', '.join(benches)}",

@@ -115,25 +115,30 @@ def ran_backend(runner, device) -> str:
     return "compile" if kind == "cuda-graph" and torch.device(device).type != "cuda" else kind
 
 
-def run_environment(device, dtype, backend: str, weights: str = "fp32") -> dict:
+def run_environment(device, dtype, backend: str, weights: str = "fp32", model=None) -> dict:
     """What bench, speed and profile record about where they ran: the device's name (GPU model,
     or CPU model and threads), the dtype (activations), the backend(s) that ran (a comma list),
     torch and the host; the CPU's widest kernel ISA (`isa`: avx512 / avx2 / neon, else torch's
     capability), the skinny-GEMM path compiled CPU steps take (`kernel`: skinny-avx512 /
     skinny-avx2 / skinny-neon / fallback — also fallback for non-fp32 activations, which the kernel
-    does not take; "none" when no compiled CPU step runs: eager, or a GPU), the weight precision
+    does not take; "none" when no compiled CPU step runs: eager, or a GPU), its software-prefetch
+    policy (`prefetch`: kernels.prefetch_summary, measured on `model`'s shapes on first use; None
+    without the kernel), the weight precision
     (`weights`: fp32 / bf16 / int8, fastspec/weights.py) and torch's threads."""
     from fastspec.graphs import kernels
     isas = kernels.cpu_isas()
     compiled_cpu = torch.device(device).type == "cpu" and "compile" in str(backend).split(",")
-    kernel = "none"
+    kernel, prefetch = "none", None
     if compiled_cpu:
         kernel = kernels.kernel_path() if dtype in (torch.float32, "float32") else "fallback"
+        if kernel.startswith("skinny-"):
+            kernels.tune_prefetch(kernels.active(), weights, kernels.model_gemms(model)[1])
+            prefetch = kernels.prefetch_summary(weights)
     return {"device": device_name(device), "dtype": str(dtype).replace("torch.", ""),
             "backend": backend, "torch": torch.__version__, "threads": torch.get_num_threads(),
             "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
             "isa": isas[0] if isas else torch.backends.cpu.get_cpu_capability().lower(),
-            "kernel": kernel, "weights": weights}
+            "kernel": kernel, "prefetch": prefetch, "weights": weights}
 
 
 def slug(text: str) -> str:

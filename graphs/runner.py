@@ -270,6 +270,8 @@ class StepRunner:
             self._packed = (_pack_model(self.model, self._kernel)
                             if self.model is not None and self._kernel is not None else {})
             if self._kernel is not None:
+                # Prefetch on or off per this CPU's measurement (cached on disk; kernels.py).
+                kernels.tune_prefetch(self._kernel, *kernels.model_gemms(self.model))
                 # Compiled CPU steps trace attention as one op the backend swaps for the kernel's
                 # (FASTSPEC_ATTENTION=sdpa keeps inductor's gather + SDPA, for A/B runs; the
                 # choice is the process's, made by the runner that compiles next).

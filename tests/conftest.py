@@ -5,6 +5,9 @@ import pytest
 import torch
 
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", min(2, os.cpu_count() or 1))))
+# The kernel's software prefetch changes no result, only speed: tests keep the built-in rule
+# instead of timing this machine (the tuner's own tests set FASTSPEC_PREFETCH=auto).
+os.environ.setdefault("FASTSPEC_PREFETCH", "rule")
 from fastspec.config import ModelConfig  # noqa: E402
 from fastspec.model.llama import LlamaModel  # noqa: E402
 

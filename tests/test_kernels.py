@@ -363,6 +363,86 @@ def test_neon_attention_under_qemu(tmp_path):
     assert out.startswith("lanes 4,")
 
 
+# --- software prefetch: the rule, or what this machine measured -------------------------------
+@pytest.mark.parametrize("rule_on, t_off, t_on, expect", [
+    (True, 1.00, 1.00, True),     # a tie keeps the rule
+    (True, 0.98, 1.00, True),     # 2% faster off: inside the noise margin, keep the rule
+    (True, 0.90, 1.00, False),    # 10% faster off: switch
+    (False, 1.00, 0.96, True),    # the other way round
+    (False, 1.00, 1.20, False),
+])
+def test_prefetch_switches_only_past_the_noise_margin(rule_on, t_off, t_on, expect):
+    assert kernels.keep_or_switch(rule_on, t_off, t_on, margin=0.03) is expect
+
+
+@needs_kernel
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_prefetch_on_or_off_changes_no_bit_of_the_result(precision):
+    """The policy only moves data early: 1 row and 8 rows give the same bits either way, and
+    set_prefetch reports the setting it replaced."""
+    k = kernels.load(ISAS[0])
+    wt = {"fp32": 0, "bf16": 1, "int8": 2}[precision]
+    g = torch.Generator().manual_seed(3)
+    w, s = rounded_weight(3 * k.panel + 5, 700, precision, g)
+    panels, scales = k.pack(w, precision, s)
+    try:
+        for rows in (1, 8, 13):
+            x = torch.randn(rows, 700, generator=g)
+            multi = int(rows > 1)
+            k.ops.set_prefetch(wt, multi, 0)
+            off = k.linear(x, panels, scales, w.shape[0])
+            assert k.ops.set_prefetch(wt, multi, 1) == 0
+            on = k.linear(x, panels, scales, w.shape[0])
+            assert k.ops.set_prefetch(wt, multi, -1) == 1
+            assert torch.equal(off, on)
+        with pytest.raises(RuntimeError, match="set_prefetch"):
+            k.ops.set_prefetch(3, 0, 0)
+    finally:
+        for multi in (0, 1):
+            k.ops.set_prefetch(wt, multi, -1)
+
+
+@needs_kernel
+def test_prefetch_is_measured_once_then_read_from_the_cache(monkeypatch, tmp_path):
+    """FASTSPEC_PREFETCH=auto: the first use times both settings and writes the choice beside the
+    extensions; a new process (the per-process table cleared) reads it back; on/off force it,
+    rule keeps the source's rule, anything else is one clear error."""
+    k = kernels.load(ISAS[0])
+    monkeypatch.setattr(kernels, "_TUNE_BYTES", 1 << 20)           # a fast, meaningless timing
+    monkeypatch.setattr(kernels, "_build_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(kernels, "_prefetch", {})
+    monkeypatch.setenv("FASTSPEC_PREFETCH", "auto")
+    shapes = ((3 * k.panel, 64), (k.panel, 128))
+    try:
+        first = kernels.tune_prefetch(k, "bf16", shapes)
+        assert first["source"] == "measured" and set(first["ms"]) == {
+            "1 row, prefetch off", "1 row, prefetch on", "8 rows, prefetch off", "8 rows, prefetch on"}
+        assert kernels.tune_prefetch(k, "bf16", shapes) is first          # once per process
+        assert (tmp_path / "prefetch.json").exists()
+        monkeypatch.setattr(kernels, "_prefetch", {})
+        again = kernels.tune_prefetch(k, "bf16", shapes)
+        assert again["source"] == "cached" and (again["1"], again["8"]) == (first["1"], first["8"])
+        # The kernel now runs with that policy: setting it again reports it.
+        assert k.ops.set_prefetch(1, 0, int(first["1"])) == int(first["1"])
+        for mode, expect in (("off", False), ("on", True)):
+            monkeypatch.setattr(kernels, "_prefetch", {})
+            monkeypatch.setenv("FASTSPEC_PREFETCH", mode)
+            forced = kernels.tune_prefetch(k, "int8", shapes)
+            assert forced == {"1": expect, "8": expect, "source": "forced"}
+            assert k.ops.set_prefetch(2, 0, -1) == int(expect) and k.ops.set_prefetch(2, 1, -1) == int(expect)
+        monkeypatch.setattr(kernels, "_prefetch", {})
+        monkeypatch.setenv("FASTSPEC_PREFETCH", "rule")
+        assert kernels.tune_prefetch(k, "fp32", shapes)["source"] == "rule"
+        monkeypatch.setattr(kernels, "_prefetch", {})
+        monkeypatch.setenv("FASTSPEC_PREFETCH", "sometimes")
+        with pytest.raises(FastspecError, match="FASTSPEC_PREFETCH=sometimes: unknown"):
+            kernels.tune_prefetch(k, "fp32", shapes)
+    finally:
+        for wt in range(3):
+            for multi in (0, 1):
+                k.ops.set_prefetch(wt, multi, -1)
+
+
 # --- choosing the ISA -------------------------------------------------------------------------
 @pytest.mark.skipif("avx2" not in ISAS, reason="the CPU does not run AVX2")
 def test_forced_isa_picks_the_avx2_kernel(isa_env):

@@ -108,7 +108,9 @@ def test_fused_lora_drafts_what_the_per_target_loras_draft(targets):
         ({"o"} if "o" in targets else set()) | ({"gate_up"} if {"gate", "up"} & set(targets) else set()) | \
         ({"down"} if "down" in targets else set())
     fused_draft, fused_verify = forwards()
-    assert (fused_draft - draft).abs().max() < 1e-5
+    # The same sums in another order (one GEMM over concatenated A's): fp32 rounding only, which
+    # depends on the CPU's GEMM kernels (AVX2 MKL reached 1.04e-5 on logits of magnitude ~3).
+    torch.testing.assert_close(fused_draft, draft, rtol=1e-5, atol=1e-5)
     assert torch.equal(fused_verify, verify)
     # Zero every B through set_adapter_state: the fused copy follows, so drafts become the base model's.
     sd = {k: (torch.zeros_like(v) if k.endswith(".B") else v) for k, v in adapter_state(model).items()}
