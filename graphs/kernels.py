@@ -867,8 +867,8 @@ def kernel_path() -> str:
 # 32 ms without). So on first use of a (kernel, weight precision) the kernel times its own GEMMs
 # on ~128 MB of panels (more than a last-level cache holds) with the prefetch off and on, for 1
 # row (AR) and 8 rows (a draft or verify block), and keeps the rule's choice unless the other is
-# faster by more than PREFETCH_MARGIN. The choice is cached on disk per CPU model, ISA, threads
-# and kernel source. FASTSPEC_PREFETCH=auto (default) | rule | on | off.
+# faster by more than PREFETCH_MARGIN. The choice is cached on disk per CPU model, ISA, threads,
+# kernel source and model shapes. FASTSPEC_PREFETCH=auto (default) | rule | on | off.
 PREFETCH_MODES = ("auto", "rule", "on", "off")
 PREFETCH_MARGIN = 0.03
 _WEIGHT_TYPE = {"fp32": 0, "bf16": 1, "int8": 2}
@@ -902,13 +902,12 @@ def _cpu_key(kernel: "Kernel") -> str:
 _DEFAULT_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 
 
-def _time_gemms(kernel: "Kernel", precision: str, shapes=_DEFAULT_SHAPES, timer=None,
+def _time_gemms(kernel: "Kernel", precision: str, shapes=_DEFAULT_SHAPES,
                 reps: int = 5) -> dict[tuple[int, bool], float]:
     """Median seconds of one pass over ~_TUNE_BYTES of random panels of the given [out, in]
     shapes (in order, cycled), per (rows, prefetch on), the two settings alternated pass by pass."""
     import statistics
     import time
-    timer = timer or time.perf_counter
     wt = _WEIGHT_TYPE[precision]
     dtype = _PANEL_DTYPE[precision]
     size = torch.tensor([], dtype=dtype).element_size()
@@ -932,11 +931,11 @@ def _time_gemms(kernel: "Kernel", precision: str, shapes=_DEFAULT_SHAPES, timer=
             for rep in range(reps + 1):
                 for on in (False, True):
                     kernel.ops.set_prefetch(wt, int(rows > 1), int(on))
-                    t0 = timer()
+                    t0 = time.perf_counter()
                     for panels, scales, out_f, in_f in mats:
                         kernel.ops.skinny_linear(xs[in_f], panels, scales, out_f)
                     if rep:                          # the first pass of each setting warms up
-                        samples[on].append(timer() - t0)
+                        samples[on].append(time.perf_counter() - t0)
             for on in (False, True):
                 out[(rows, on)] = statistics.median(samples[on])
     finally:
@@ -945,7 +944,7 @@ def _time_gemms(kernel: "Kernel", precision: str, shapes=_DEFAULT_SHAPES, timer=
     return out
 
 
-def tune_prefetch(kernel: "Kernel", precision: str, shapes=None, timer=None) -> dict:
+def tune_prefetch(kernel: "Kernel", precision: str, shapes=None) -> dict:
     """Set (once per process) and return the kernel's prefetch policy for `precision`, measured
     on the model's linear shapes ([out, in] pairs; None: a SmolLM2 layer's):
     {"1": on?, "8": on?, "source": "rule" | "measured" | "cached" | "forced", "ms": {...}}."""
@@ -975,7 +974,7 @@ def tune_prefetch(kernel: "Kernel", precision: str, shapes=None, timer=None) -> 
         if isinstance(known.get(entry), dict) and all(str(r) in known[entry] for r in _TUNE_ROWS):
             policy = {**known[entry], "source": "cached"}
         else:
-            t = _time_gemms(kernel, precision, shapes, timer)
+            t = _time_gemms(kernel, precision, shapes)
             policy = {str(r): keep_or_switch(rule[str(r)], t[(r, False)], t[(r, True)]) for r in _TUNE_ROWS}
             policy["ms"] = {f"{r} row{'s' * (r > 1)}, prefetch {'on' if on else 'off'}": round(v * 1e3, 3)
                             for (r, on), v in t.items()}
