@@ -36,6 +36,16 @@ from fastspec.model.llama import FusedLoRA
 from fastspec.weights import big_linear_weights, weight_precision
 
 
+# Inductor inlines a pointwise producer into each of its uses and realizes it only when its
+# CSE'd op count passes a threshold (50 on the CPU): a chain of stages that each read their input
+# twice (the counter-based hash in fastspec/sampling.py: `x = ((x >> 16) ^ x) * C`, 15 stages a
+# uniform) grows the un-CSE'd loop body 2^stages, and the C++ tiling pass is quadratic in it:
+# a sampled round's compile took >10 minutes on 2 cores (`uniform` alone: 123 s, 8 s with 20).
+# Realizing past 20 ops bounds that; the model's own pointwise chains (RMSNorm, RoPE, SiLU x up)
+# stay under it and fuse as before.
+INDUCTOR_PATCHES = {"realize_opcount_threshold": 20}
+
+
 @dataclass(frozen=True)
 class Packed:
     """One packed weight: panels (fp32 / bf16 / int8), int8 scales (else None), out features,
@@ -264,7 +274,8 @@ def _skinny_backend(packed: dict[int, Packed], kernel: "kernels.Kernel | None" =
         # decode step, int8 weights: 8.1 -> 7.5 ms): debug checks that each op's output matches its
         # fake kernel, which the kernel tests check for ours.
         compiled = compile_fx(gm, list(example_inputs) + extra,
-                              config_patches={"size_asserts": False, "alignment_asserts": False})
+                              config_patches={"size_asserts": False, "alignment_asserts": False,
+                                              **INDUCTOR_PATCHES})
 
         def run(*args):
             return compiled(*args, *extra)

@@ -254,7 +254,8 @@ class StepRunner:
         from torch._inductor.compile_fx import compile_fx
         if kind == "cuda-graph":
             import torch._inductor
-            patches = torch._inductor.list_mode_options(CUDA_GRAPH_MODE)
+            from fastspec.graphs.compile import INDUCTOR_PATCHES
+            patches = {**torch._inductor.list_mode_options(CUDA_GRAPH_MODE), **INDUCTOR_PATCHES}
 
             def inductor(gm, example_inputs):
                 return compile_fx(gm, example_inputs, config_patches=patches)

@@ -251,3 +251,27 @@ def test_a_compiled_step_comes_back_from_the_disk_caches(tmp_path, monkeypatch):
     assert (tmp_path / "inductor").is_dir() and any((tmp_path / "inductor").iterdir())
     assert not any("bypass" in k for run in aot for k in run), aot
     assert aot[0].get("autograd_cache_saved", 0) >= 1 and aot[1].get("autograd_cache_hit", 0) >= 1, aot
+
+
+def test_the_counter_hash_compiles_to_small_loop_bodies(monkeypatch, tmp_path):
+    """fastspec's inductor patches realize long pointwise chains: the counter-based uniform (15
+    hash stages, each reading its input twice) lowers to loop bodies of a few hundred nodes, not
+    the ~2^15 that inlining every use makes (a sampled round's cold compile took >10 minutes)."""
+    import torch._inductor.loop_body as lb
+    from fastspec.graphs.compile import INDUCTOR_PATCHES
+    from fastspec.sampling import uniform
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    sizes, init = [], lb.LoopBody.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        sizes.append(sum(len(b.graph.nodes) for b in [self.root_block, *self.subblocks.values()]))
+        assert sizes[-1] < 1000, f"a loop body of {sizes[-1]} nodes"     # fail fast, not in minutes
+
+    monkeypatch.setattr(lb.LoopBody, "__init__", recording)
+    seed, counter = torch.arange(4) * 77 + 5, torch.arange(4)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch({"fx_graph_cache": False, **INDUCTOR_PATCHES}):
+        got = torch.compile(lambda s, c: uniform(s, c, 2, (4,)), backend="inductor")(seed, counter)
+    assert torch.equal(got, uniform(seed, counter, 2, (4,)))
+    assert sizes and max(sizes) < 1000, sizes          # 309 with the patches, 22783 without
