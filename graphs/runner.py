@@ -254,8 +254,7 @@ class StepRunner:
         from torch._inductor.compile_fx import compile_fx
         if kind == "cuda-graph":
             import torch._inductor
-            from fastspec.graphs.compile import INDUCTOR_PATCHES
-            patches = {**torch._inductor.list_mode_options(CUDA_GRAPH_MODE), **INDUCTOR_PATCHES}
+            patches = torch._inductor.list_mode_options(CUDA_GRAPH_MODE)
 
             def inductor(gm, example_inputs):
                 return compile_fx(gm, example_inputs, config_patches=patches)
