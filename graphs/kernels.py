@@ -790,16 +790,24 @@ def _attention_fake(q, k_layer, v_layer, slots, mask):
     return q.new_empty((B, N, H * D))
 
 
+def _cflags(isa: str, ns: str) -> list[str]:
+    return ["-O3", "-DNDEBUG", f"-DFASTSPEC_ISA_{isa.upper()}", f"-DFASTSPEC_NS={ns}",
+            *ISAS[isa].cflags, *_OPENMP]
+
+
+def _build_digest(source: str, cflags: list[str]) -> str:
+    """What identifies a built extension: its source, flags and torch."""
+    return hashlib.sha1((source + " ".join(cflags) + torch.__version__).encode()).hexdigest()[:12]
+
+
 def build(source: str, isa: str, ns: str, prefix: str = "fastspec_skinny") -> None:
     """Compile (once; cached on disk by a digest of source, flags and torch) and load a kernel
     source for `isa` whose ops register under torch.ops.<ns>. `load` builds `_CPP`; an A/B tool
     builds another revision's source under its own namespace beside it (graphs/attn_ab.py)."""
     from torch.utils.cpp_extension import load_inline
 
-    cflags = ["-O3", "-DNDEBUG", f"-DFASTSPEC_ISA_{isa.upper()}", f"-DFASTSPEC_NS={ns}",
-              *ISAS[isa].cflags, *_OPENMP]
-    digest = hashlib.sha1((source + " ".join(cflags) + torch.__version__).encode()).hexdigest()[:12]
-    name = f"{prefix}_{isa}_{digest}"
+    cflags = _cflags(isa, ns)
+    name = f"{prefix}_{isa}_{_build_digest(source, cflags)}"
     directory = os.path.join(_build_dir(), name)
     os.makedirs(directory, exist_ok=True)
     load_inline(name=name, cpp_sources=[source], functions=None, build_directory=directory,
@@ -893,7 +901,8 @@ def keep_or_switch(rule_on: bool, t_off: float, t_on: float, margin: float = PRE
 
 def _cpu_key(kernel: "Kernel") -> str:
     from fastspec.graphs.profile import device_name
-    return f"{device_name('cpu')} {kernel.isa} {hashlib.sha1(_CPP.encode()).hexdigest()[:12]} {torch.__version__}"
+    # The loaded extension's own digest (load() builds _CPP under fastspec_<isa>).
+    return f"{device_name('cpu')} {kernel.isa} {_build_digest(_CPP, _cflags(kernel.isa, f'fastspec_{kernel.isa}'))}"
 
 
 # A decoder layer's projections when the caller names no model (SmolLM2-135M's: qkv, o, gate_up,

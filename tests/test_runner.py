@@ -270,7 +270,6 @@ def test_the_counter_hash_compiles_to_small_loop_bodies(monkeypatch, tmp_path):
 
     monkeypatch.setattr(lb.LoopBody, "__init__", recording)
     seed, counter = torch.arange(4) * 77 + 5, torch.arange(4)
-    torch._dynamo.reset()
     with torch._inductor.config.patch({"fx_graph_cache": False, **INDUCTOR_PATCHES}):
         got = torch.compile(lambda s, c: uniform(s, c, 2, (4,)), backend="inductor")(seed, counter)
     assert torch.equal(got, uniform(seed, counter, 2, (4,)))
