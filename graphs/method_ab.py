@@ -11,7 +11,8 @@ before each of its runs (arms that share a spec share one instance, so its compi
 Prompts: the first --limit of each --bench (default GSM8K and MATH-500), chat-rendered; greedy;
 an arm's run is one `generate` per benchmark, and every run is checked token for token against AR
 at the same concurrency. Per arm and C, each rep's tok/s (all benchmarks' tokens over their
-summed wall times) and each benchmark's own, τ, tokens per forward, steps per round, whether every
+summed wall times) and each benchmark's own, per-request tok/s (mean over requests of
+(new_tokens − 1) / (latency − ttft), as `fastspec bench` defines it), τ, tokens per forward, steps per round, whether every
 request equalled AR, and per benchmark the method's own report of its last rep where it has one
 (RecGuide: Table 3, the profile check, the gate bound)."""
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from fastspec.cli.main import load_engine
 from fastspec.evals.data import load_benchmark
 from fastspec.evals.prompts import build_messages
+from fastspec.evals.report import request_rate
 from fastspec.graphs import kernels
 from fastspec.graphs.profile import device_name
 from fastspec.sampling import SamplingParams
@@ -79,8 +81,8 @@ def main() -> None:
         for _, spec, attrs in arms:          # warm every arm's steps before any timing
             eng.generate(prompts[:c], SamplingParams(max_new_tokens=16), method=arm_method(spec, attrs),
                          concurrency=c)
-        res = {a: {"arm": a, "concurrency": c, "tok_s": [], "tau": [], "tokens_per_forward": [],
-                   "steps_per_round": [], "identical_to_ar": True,
+        res = {a: {"arm": a, "concurrency": c, "tok_s": [], "per_request_tok_s": [], "tau": [],
+                   "tokens_per_forward": [], "steps_per_round": [], "identical_to_ar": True,
                    "per_bench": {b: {"tok_s": []} for b in benches}} for a, _, _ in arms}
         for rep in range(args.reps):
             for a, spec, attrs in arms:
@@ -96,17 +98,22 @@ def main() -> None:
                     if hasattr(m, "report"):             # the method's own report of its last rep
                         r.setdefault("method_report", {})[b] = m.report()
                 r["tok_s"].append(round(tokens / max(wall, 1e-9), 1))
+                rates = [x for x in (request_rate({"new_tokens": len(o.token_ids), "latency_s": o.latency_s,
+                                            "ttft_s": o.ttft_s}) for o in out) if x is not None]
+                r["per_request_tok_s"].append(round(sum(rates) / max(len(rates), 1), 1))
                 r["tau"].append(round(sum(sum(x.accept_lengths) for x in out)
                                       / max(sum(len(x.accept_lengths) for x in out), 1), 3))
                 r["tokens_per_forward"].append(round(tokens / max(fwds, 1), 3))
                 r["steps_per_round"].append(round(steps / max(rounds, 1), 3))
                 r["identical_to_ar"] &= [x.token_ids for x in out] == ar
-                print(f"C={c} rep {rep + 1} {a}: {r['tok_s'][-1]} tok/s, tau {r['tau'][-1]}, "
+                print(f"C={c} rep {rep + 1} {a}: {r['tok_s'][-1]} tok/s "
+                      f"({r['per_request_tok_s'][-1]} per request), tau {r['tau'][-1]}, "
                       f"tok/fwd {r['tokens_per_forward'][-1]}, steps/round {r['steps_per_round'][-1]}, "
                       f"identical to AR {r['identical_to_ar']}; "
                       + ", ".join(f"{b} {pb['tok_s'][-1]}" for b, pb in r["per_bench"].items()), flush=True)
         for r in res.values():
             r["mean_tok_s"] = round(sum(r["tok_s"]) / len(r["tok_s"]), 1)
+            r["mean_per_request_tok_s"] = round(sum(r["per_request_tok_s"]) / len(r["per_request_tok_s"]), 1)
             for pb in r["per_bench"].values():
                 pb["mean_tok_s"] = round(sum(pb["tok_s"]) / len(pb["tok_s"]), 1)
             rows.append(r)
