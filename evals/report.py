@@ -136,12 +136,17 @@ def _stats(rs: list[dict]) -> dict:
         "tau": sum(r["new_tokens"] - 1 for r in counted) / rounds if rounds > 0 else None,
         "tokens_per_forward": n / sum(fwd) if rs and None not in fwd and sum(fwd) > 0 else None,
         "accept_hist": dict(sorted(hist.items())) if lengths else None,
-        "per_request_tokens_per_s": _mean([request_rate(r) for r in rs]),
+        "per_request_tokens_per_s": per_request_rate(rs),
         "accuracy": _mean(scored), "identical": _mean(same),
     }
 
 
-def request_rate(r: dict) -> float | None:
+def per_request_rate(rs: list[dict]) -> float | None:
+    """Per-request tok/s (module doc): the mean of the requests' own rates; None when none has one."""
+    return _mean([_rate(r) for r in rs])
+
+
+def _rate(r: dict) -> float | None:
     """Streaming tok/s of one request (see module doc); n / latency when ttft is unknown."""
     ttft = r.get("ttft_s")
     if ttft is None:

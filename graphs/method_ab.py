@@ -11,9 +11,9 @@ before each of its runs (arms that share a spec share one instance, so its compi
 Prompts: the first --limit of each --bench (default GSM8K and MATH-500), chat-rendered; greedy;
 an arm's run is one `generate` per benchmark, and every run is checked token for token against AR
 at the same concurrency. Per arm and C, each rep's tok/s (all benchmarks' tokens over their
-summed wall times) and each benchmark's own, per-request tok/s (mean over requests of
-(new_tokens − 1) / (latency − ttft), as `fastspec bench` defines it), τ, tokens per forward, steps per round, whether every
-request equalled AR, and per benchmark the method's own report of its last rep where it has one
+summed wall times) and each benchmark's own, per-request tok/s (`fastspec bench`'s definition:
+mean over requests of (new_tokens − 1) / (latency − ttft)), τ, tokens per forward, steps per
+round, whether every request equalled AR, and per benchmark the method's own report of its last rep where it has one
 (RecGuide: Table 3, the profile check, the gate bound)."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch
 from fastspec.cli.main import load_engine
 from fastspec.evals.data import load_benchmark
 from fastspec.evals.prompts import build_messages
-from fastspec.evals.report import request_rate
+from fastspec.evals.report import per_request_rate
 from fastspec.graphs import kernels
 from fastspec.graphs.profile import device_name
 from fastspec.sampling import SamplingParams
@@ -98,9 +98,9 @@ def main() -> None:
                     if hasattr(m, "report"):             # the method's own report of its last rep
                         r.setdefault("method_report", {})[b] = m.report()
                 r["tok_s"].append(round(tokens / max(wall, 1e-9), 1))
-                rates = [x for x in (request_rate({"new_tokens": len(o.token_ids), "latency_s": o.latency_s,
-                                            "ttft_s": o.ttft_s}) for o in out) if x is not None]
-                r["per_request_tok_s"].append(round(sum(rates) / max(len(rates), 1), 1))
+                rate = per_request_rate([{"new_tokens": len(o.token_ids), "latency_s": o.latency_s,
+                                          "ttft_s": o.ttft_s} for o in out])
+                r["per_request_tok_s"].append(round(rate, 1) if rate is not None else None)
                 r["tau"].append(round(sum(sum(x.accept_lengths) for x in out)
                                       / max(sum(len(x.accept_lengths) for x in out), 1), 3))
                 r["tokens_per_forward"].append(round(tokens / max(fwds, 1), 3))
@@ -113,7 +113,8 @@ def main() -> None:
                       + ", ".join(f"{b} {pb['tok_s'][-1]}" for b, pb in r["per_bench"].items()), flush=True)
         for r in res.values():
             r["mean_tok_s"] = round(sum(r["tok_s"]) / len(r["tok_s"]), 1)
-            r["mean_per_request_tok_s"] = round(sum(r["per_request_tok_s"]) / len(r["per_request_tok_s"]), 1)
+            rates = [x for x in r["per_request_tok_s"] if x is not None]
+            r["mean_per_request_tok_s"] = round(sum(rates) / len(rates), 1) if rates else None
             for pb in r["per_bench"].values():
                 pb["mean_tok_s"] = round(sum(pb["tok_s"]) / len(pb["tok_s"]), 1)
             rows.append(r)

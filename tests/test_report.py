@@ -7,7 +7,7 @@ from rich.console import Console
 
 from fastspec.config import FastspecError
 from fastspec.evals.report import (accuracy_table, figure5_table, load_results, lookup, metrics,
-                                   pareto_optimal, table2, write_plots)
+                                   pareto_optimal, per_request_rate, table2, write_plots)
 
 
 def rec(bench, method, c, n, accept, latency, ttft=0.1, correct=None, identical=True, forwards=True):
@@ -155,3 +155,11 @@ def test_the_gate_bound_table_shows_each_slot_count_of_a_recguide_run():
     # one row per slot count: k, H_k, bound on measured steps, bound on the profile
     assert re.search(r"recguide\W+1\W+1\W+34%\W+0\.95×\W+1\.07×", text)
     assert re.search(r"recguide\W+1\W+0\W+0%\W+1\.00×\W+1\.00×", text)
+
+
+def test_per_request_rate_streams_after_the_first_token_and_skips_requests_without_a_rate():
+    rows = [{"new_tokens": 11, "latency_s": 3.0, "ttft_s": 1.0},     # 10 tokens in 2 s: 5 tok/s
+            {"new_tokens": 21, "latency_s": 2.0, "ttft_s": 0.0},     # 20 tokens in 2 s: 10 tok/s
+            {"new_tokens": 1, "latency_s": 1.0, "ttft_s": 1.0}]      # only the prefill token: no rate
+    assert per_request_rate(rows) == 7.5
+    assert per_request_rate(rows[2:]) is None
