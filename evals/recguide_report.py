@@ -149,27 +149,36 @@ def print_tables(console, runs: list[dict], records, block: int | None = None) -
         console.print(tab)
 
 
+def throughput_points(runs: list[dict], records) -> dict[str, list[tuple[int, float, float]]]:
+    """Figure 5's points: per method, (C, aggregate tok/s, per-request tok/s) sorted by C. The
+    per-request rate is the table's (`report.per_request_rate`: streaming rate after the first
+    token), so the plot and the table agree; a run without a rated request has no point."""
+    from fastspec.evals.report import per_request_rate
+    def field(r, k):        # records are dicts (a results JSON, older ones lack keys) or objects
+        return r.get(k) if isinstance(r, dict) else getattr(r, k, None)
+    by_run = defaultdict(list)
+    for r in records:
+        if field(r, "error") or not field(r, "latency_s"):
+            continue
+        by_run[(field(r, "method"), field(r, "concurrency"))].append(
+            {k: field(r, k) for k in ("new_tokens", "latency_s", "ttft_s")})
+    pts = defaultdict(list)
+    for r in runs:
+        rate = per_request_rate(by_run.get((r["method"], r["concurrency"]), []))
+        if rate is not None:
+            pts[r["method"]].append((r["concurrency"], r["tokens_per_s"], rate))
+    return {m: sorted(p) for m, p in pts.items()}
+
+
 def plot_throughput(runs: list[dict], records, out_dir: str) -> str | None:
     """Figure 5: aggregate vs per-request tokens/s, one curve per method over concurrency."""
-    pts = defaultdict(list)
-    per_req = defaultdict(list)
-    for r in records:
-        if _get(r, "error") or not _get(r, "latency_s"):
-            continue
-        per_req[(_get(r, "method"), _get(r, "concurrency"))].append(
-            _get(r, "new_tokens") / _get(r, "latency_s"))
-    for r in runs:
-        key = (r["method"], r["concurrency"])
-        if per_req.get(key):
-            pts[r["method"]].append((r["concurrency"], r["tokens_per_s"],
-                                     sum(per_req[key]) / len(per_req[key])))
+    pts = throughput_points(runs, records)
     if not any(len(v) > 1 for v in pts.values()):
         return None
     from fastspec.evals.report import _figure
     fig = _figure()
     ax = fig.add_subplot(1, 1, 1)
     for name, p in pts.items():
-        p.sort()
         ax.plot([x[2] for x in p], [x[1] for x in p], marker="o", label=name)
         for c, agg, req in p:
             ax.annotate(f"C={c}", (req, agg), fontsize=7, xytext=(3, 3), textcoords="offset points")

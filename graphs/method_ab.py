@@ -6,7 +6,8 @@
         --arm "bastion@join_steps=1" --arm "bastion@join_steps=0" --concurrency 2,4 \\
         --out results/join_ab_c2c4.json
 
-An arm is a `--method` spec, optionally with `@attr=value` overrides set on the method instance
+An arm is a `--method` spec (completed as `fastspec bench` completes it: `recguide` gets the default
+block set and survival tables), optionally with `@attr=value` overrides set on the method instance
 before each of its runs (arms that share a spec share one instance, so its compiled steps).
 Prompts: the first --limit of each --bench (default GSM8K and MATH-500), chat-rendered; greedy;
 an arm's run is one `generate` per benchmark, and every run is checked token for token against AR
@@ -22,7 +23,7 @@ import json
 
 import torch
 
-from fastspec.cli.main import load_engine
+from fastspec.cli.main import DEFAULT_RECGUIDE_BLOCKS, load_engine, with_recguide_options
 from fastspec.evals.data import load_benchmark
 from fastspec.evals.prompts import build_messages
 from fastspec.evals.report import per_request_rate
@@ -50,6 +51,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=4, help="prompts per benchmark")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--warmup-reps", type=int, default=1,
+                    help="untimed passes of every arm over every request before the timed reps")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--weights", default="fp32", choices=PRECISIONS,
                     help="big linear weights' precision (every arm and AR run on the same ones)")
@@ -60,7 +63,10 @@ def main() -> None:
     probs = [(b, p) for b in benches for p in load_benchmark(b, limit=args.limit)]
     prompts = [eng.render_chat(build_messages(p)) for _, p in probs]
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    arms = [(a, *parse_arm(a)) for a in args.arm]
+    # An arm's spec gets what `fastspec bench --method` gives it (RecGuide: the default block set
+    # and the shipped survival tables), so "recguide" here is the method users run.
+    arms = [(a, with_recguide_options(spec, args.model, adaptive_blocks=DEFAULT_RECGUIDE_BLOCKS), attrs)
+            for a in args.arm for spec, attrs in [parse_arm(a)]]
     # Arms of one spec share its instance: before each run every attribute any of them sets is
     # put back to the arm's value or the instance's own, so no override leaks into another arm.
     defaults: dict[str, dict] = {}
@@ -78,16 +84,26 @@ def main() -> None:
     rows = []
     for c in [int(x) for x in args.concurrency.split(",")]:
         ar = [x.token_ids for x in eng.generate(prompts, params, method="ar", concurrency=c)]
-        for _, spec, attrs in arms:          # warm every arm's steps before any timing
+        # Warm every arm before any timing: a short run, then --warmup-reps untimed passes over
+        # every request, which reach the steps a short run does not (longer contexts, the
+        # partial batches of a draining run, RecGuide's per-block buckets). A step compiled inside
+        # a timed run is left out of its wall time, but its C++ build still slows what runs beside it.
+        for _, spec, attrs in arms:
             eng.generate(prompts[:c], SamplingParams(max_new_tokens=16), method=arm_method(spec, attrs),
                          concurrency=c)
+        for _ in range(args.warmup_reps):
+            for _, spec, attrs in arms:
+                for b in benches:
+                    eng.generate([x for x, (bb, _) in zip(prompts, probs) if bb == b], params,
+                                 method=arm_method(spec, attrs), concurrency=c)
         res = {a: {"arm": a, "concurrency": c, "tok_s": [], "per_request_tok_s": [], "tau": [],
-                   "tokens_per_forward": [], "steps_per_round": [], "identical_to_ar": True,
+                   "tokens_per_forward": [], "steps_per_round": [], "lazy_compiles": [],
+                   "identical_to_ar": True,
                    "per_bench": {b: {"tok_s": []} for b in benches}} for a, _, _ in arms}
         for rep in range(args.reps):
             for a, spec, attrs in arms:
                 m, r = arm_method(spec, attrs), res[a]
-                out, tokens, wall, fwds, steps, rounds = [], 0, 0.0, 0, 0, 0
+                out, tokens, wall, fwds, steps, rounds, lazy = [], 0, 0.0, 0, 0, 0, 0
                 for b in benches:             # one run per benchmark: its own tok/s
                     group = [x for x, (bb, _) in zip(prompts, probs) if bb == b]
                     out += eng.generate(group, params, method=m, concurrency=c)
@@ -95,6 +111,7 @@ def main() -> None:
                     r["per_bench"][b]["tok_s"].append(round(st.tokens_per_s, 1))
                     tokens, wall, fwds = tokens + st.new_tokens, wall + st.wall_s, fwds + st.request_forwards
                     steps, rounds = steps + st.steps, rounds + st.rounds
+                    lazy += st.lazy_compiles          # steps first built inside this timed run
                     if hasattr(m, "report"):             # the method's own report of its last rep
                         r.setdefault("method_report", {})[b] = m.report()
                 r["tok_s"].append(round(tokens / max(wall, 1e-9), 1))
@@ -105,10 +122,12 @@ def main() -> None:
                                       / max(sum(len(x.accept_lengths) for x in out), 1), 3))
                 r["tokens_per_forward"].append(round(tokens / max(fwds, 1), 3))
                 r["steps_per_round"].append(round(steps / max(rounds, 1), 3))
+                r["lazy_compiles"].append(lazy)
                 r["identical_to_ar"] &= [x.token_ids for x in out] == ar
                 print(f"C={c} rep {rep + 1} {a}: {r['tok_s'][-1]} tok/s "
                       f"({r['per_request_tok_s'][-1]} per request), tau {r['tau'][-1]}, "
                       f"tok/fwd {r['tokens_per_forward'][-1]}, steps/round {r['steps_per_round'][-1]}, "
+                      f"steps built mid-run {lazy}, "
                       f"identical to AR {r['identical_to_ar']}; "
                       + ", ".join(f"{b} {pb['tok_s'][-1]}" for b, pb in r["per_bench"].items()), flush=True)
         for r in res.values():
@@ -124,11 +143,12 @@ def main() -> None:
                "threads": torch.get_num_threads(), "torch": torch.__version__, "model": args.model,
                "weights": args.weights,
                "prompts": f"first {args.limit} of {', '.join(benches)}",
-               "max_new_tokens": args.max_new_tokens,
+               "max_new_tokens": args.max_new_tokens, "warmup_reps": args.warmup_reps,
                "command": "python -m fastspec.graphs.method_ab " + " ".join(
                    [f'--arm "{a}"' for a in args.arm]
                    + [f"--bench {args.bench} --concurrency {args.concurrency} --limit {args.limit} "
-                      f"--weights {args.weights} --max-new-tokens {args.max_new_tokens} --reps {args.reps}"])}
+                      f"--weights {args.weights} --max-new-tokens {args.max_new_tokens} --reps {args.reps} "
+                      f"--warmup-reps {args.warmup_reps}"])}
         with open(args.out, "w") as f:
             json.dump({"environment": env, "arms": rows}, f, indent=1)
 

@@ -163,3 +163,16 @@ def test_per_request_rate_streams_after_the_first_token_and_skips_requests_witho
             {"new_tokens": 1, "latency_s": 1.0, "ttft_s": 1.0}]      # only the prefill token: no rate
     assert per_request_rate(rows) == 7.5
     assert per_request_rate(rows[2:]) is None
+
+
+def test_figure5_points_use_the_tables_per_request_rate():
+    from fastspec.evals.recguide_report import throughput_points
+    records, runs = synthetic()
+    pts = throughput_points(runs, records)
+    # linear: two gsm8k requests at 20 tok/s and one math500 request at 30 -> mean 23.33
+    assert [(c, agg) for c, agg, _ in pts["linear"]] == [(1, 25.0), (2, 40.0)]
+    assert pts["linear"][0][2] == pytest.approx(70 / 3)
+    assert pts["ar"][1][2] == pytest.approx(10.0)
+    m = metrics(records, runs)
+    assert pts["linear"][0][2] == pytest.approx(lookup(m, "by_method", method="linear", concurrency=1)
+                                                ["per_request_tokens_per_s"])
