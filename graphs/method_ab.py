@@ -56,6 +56,9 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--weights", default="fp32", choices=PRECISIONS,
                     help="big linear weights' precision (every arm and AR run on the same ones)")
+    ap.add_argument("--as-written", action="store_true",
+                    help="run the specs exactly as written (a bare recguide: fixed B=8, no tables); "
+                         "the commands of runs before 2026-12-03 need it")
     ap.add_argument("--out")
     args = ap.parse_args()
     eng = load_engine(args.model, "float32", "compile", weights=args.weights)
@@ -65,8 +68,9 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     # An arm's spec gets what `fastspec bench --method` gives it (RecGuide: the default block set
     # and the shipped survival tables), so "recguide" here is the method users run.
-    arms = [(a, with_recguide_options(spec, args.model, adaptive_blocks=DEFAULT_RECGUIDE_BLOCKS), attrs)
-            for a in args.arm for spec, attrs in [parse_arm(a)]]
+    complete = ((lambda spec: spec) if args.as_written else
+                (lambda spec: with_recguide_options(spec, args.model, adaptive_blocks=DEFAULT_RECGUIDE_BLOCKS)))
+    arms = [(a, complete(spec), attrs) for a in args.arm for spec, attrs in [parse_arm(a)]]
     # Arms of one spec share its instance: before each run every attribute any of them sets is
     # put back to the arm's value or the instance's own, so no override leaks into another arm.
     defaults: dict[str, dict] = {}
@@ -148,7 +152,7 @@ def main() -> None:
                    [f'--arm "{a}"' for a in args.arm]
                    + [f"--bench {args.bench} --concurrency {args.concurrency} --limit {args.limit} "
                       f"--weights {args.weights} --max-new-tokens {args.max_new_tokens} --reps {args.reps} "
-                      f"--warmup-reps {args.warmup_reps}"])}
+                      f"--warmup-reps {args.warmup_reps}" + (" --as-written" if args.as_written else "")])}
         with open(args.out, "w") as f:
             json.dump({"environment": env, "arms": rows}, f, indent=1)
 
