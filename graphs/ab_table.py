@@ -81,7 +81,7 @@ def table(summary: dict) -> Table:
               caption=f"{summary['candidate']} ÷ best other arm at each C; "
                       + escape(f"÷ {summary['reference']}") + "; every request identical to AR: "
                       + ("yes" if all(r["identical_to_ar"] for r in per_c) else "NO"))
-    t.add_column("arm")
+    t.add_column("arm", no_wrap=True)
     for r in per_c:
         t.add_column(f"C={r['concurrency']}", justify="right")
     t.add_column("mean", justify="right")
