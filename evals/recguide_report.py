@@ -175,6 +175,14 @@ def plot_throughput(runs: list[dict], records, out_dir: str) -> str | None:
     pts = throughput_points(runs, records)
     if not any(len(v) > 1 for v in pts.values()):
         return None
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "throughput_pareto_recguide.png")
+    plot_points(pts, path, "Figure 5 — aggregate vs per-request throughput")
+    return path
+
+
+def plot_points(pts: dict[str, list[tuple[int, float, float]]], path: str, title: str) -> None:
+    """Curves of (C, aggregate tok/s, per-request tok/s) points, per-request on x, one per name."""
     from fastspec.evals.report import _figure
     fig = _figure()
     ax = fig.add_subplot(1, 1, 1)
@@ -184,9 +192,6 @@ def plot_throughput(runs: list[dict], records, out_dir: str) -> str | None:
             ax.annotate(f"C={c}", (req, agg), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_xlabel("per-request tokens/s")
     ax.set_ylabel("aggregate tokens/s")
-    ax.set_title("Figure 5 — aggregate vs per-request throughput")
+    ax.set_title(title)
     ax.legend(fontsize=7)
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "throughput_pareto_recguide.png")
     fig.savefig(path, dpi=120, bbox_inches="tight")
-    return path

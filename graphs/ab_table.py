@@ -102,21 +102,12 @@ def table(summary: dict) -> Table:
 
 def plot(summary: dict, path: str) -> None:
     """Figure 5: aggregate vs per-request tok/s, one curve per arm over C."""
-    from fastspec.evals.report import _figure
-    fig = _figure()
-    ax = fig.add_subplot(1, 1, 1)
-    for a in dict.fromkeys(a for r in summary["per_c"] for a in r["arms"]):
-        pts = [(r["concurrency"], r["arms"][a]) for r in summary["per_c"]
-               if a in r["arms"] and r["arms"][a]["per_request_tok_s"]]
-        ax.plot([x["per_request_tok_s"] for _, x in pts], [x["tok_s"] for _, x in pts], marker="o", label=a)
-        for c, x in pts:
-            ax.annotate(f"C={c}", (x["per_request_tok_s"], x["tok_s"]), fontsize=7,
-                        xytext=(3, 3), textcoords="offset points")
-    ax.set_xlabel("per-request tokens/s")
-    ax.set_ylabel("aggregate tokens/s")
-    ax.set_title("aggregate vs per-request throughput (paired A/B)")
-    ax.legend(fontsize=7)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    from fastspec.evals.recguide_report import plot_points
+    arms = dict.fromkeys(a for r in summary["per_c"] for a in r["arms"])
+    pts = {a: [(r["concurrency"], r["arms"][a]["tok_s"], r["arms"][a]["per_request_tok_s"])
+               for r in summary["per_c"] if a in r["arms"] and r["arms"][a]["per_request_tok_s"]]
+           for a in arms}
+    plot_points(pts, path, "aggregate vs per-request throughput (paired A/B)")
 
 
 def main() -> None:

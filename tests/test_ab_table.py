@@ -53,3 +53,12 @@ def test_arm_specs_with_brackets_are_printed_as_written(tmp_path):
     console.print(table(summarize(merge([c1])[0], "recguide", "linear[block=4]")))
     text = console.export_text()
     assert "linear[block=4]" in text and "÷ linear[block=4]" in text
+
+
+def test_figure5_png_is_written(tmp_path):
+    from fastspec.graphs.ab_table import plot
+    c1 = write(tmp_path, "c1.json", [arm("B4", 1, 30.0, 31.0), arm("rec", 1, 33.0, 31.0)])
+    c2 = write(tmp_path, "c2.json", [arm("B4", 2, 50.0, 25.0), arm("rec", 2, 52.0, 26.0)])
+    png = tmp_path / "f5.png"
+    plot(summarize(merge([c1, c2])[0], "rec", None), str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
