@@ -183,20 +183,21 @@ def cli():
                    "verify it), recguide, libraspec, d2sd, bastion, tidar or dflash; options in "
                    "brackets, e.g. 'bastion[budgets=8/16]' or 'libraspec[drafter=dflash]' (draft with "
                    "the model's DFlash drafter). Accepted draft tokens are shown in green.")
-@click.option("--block", type=int, default=8, show_default=True,
-              help="Draft block size for speculative methods (4, 8, 16 or 32).")
+@click.option("--block", type=int, default=None,
+              help="Draft block size for speculative methods (4, 8, 16 or 32). Default: 8 (TiDAR: 4).")
 @click.option("--prompt", "-p", default=None, help="Answer this one prompt and exit.")
 @click.option("--system", default=None, help="System message (default: the chat template's).")
 @user_errors
 def chat(model, dtype, device, weights, dflash, adapter, backend, max_new_tokens, temperature, top_p, top_k, seed,
          method, block, prompt, system):
     """Chat with the model; tokens stream as they are committed. Ctrl-C stops the current answer."""
-    from fastspec.evals.runner import check_blocks
+    from fastspec.evals.runner import check_blocks, default_block
     from fastspec.methods import get_method
     from fastspec.sampling import SamplingParams
     params = SamplingParams(temperature, top_k, top_p, max_new_tokens, seed)
     if prompt is not None and not prompt.strip():
         raise FastspecError("empty prompt: give --prompt some text")
+    block = default_block(method) if block is None else block
     get_method(method, block=block)          # a bad name or block fails before loading
     check_blocks([method], [block])
     engine = load_engine(model, dtype, backend, adapter=adapter, device=device, weights=weights,
@@ -263,8 +264,9 @@ def chat(model, dtype, device, weights, dflash, adapter, backend, max_new_tokens
 @click.option("--method", "methods", default="ar", show_default=True,
               help="Comma-separated methods to compare: ar, linear, recguide, libraspec, d2sd, bastion, "
                    "tidar, dflash (options in brackets, e.g. 'tidar[block=4]'). AR always runs as the reference.")
-@click.option("--block", "blocks", default="8", show_default=True,
-              help="Draft block size(s) for speculative methods; a list (8,16,32) sweeps them.")
+@click.option("--block", "blocks", default=None,
+              help="Draft block size(s) for speculative methods; a list (8,16,32) sweeps them. "
+                   "Default: 8 (TiDAR: 4, its B + B² tokens a forward).")
 @click.option("--concurrency", default="1", show_default=True,
               help="Comma-separated numbers of requests decoded together, e.g. 1,2,8,32.")
 @click.option("--max-new-tokens", type=int, default=None,

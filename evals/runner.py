@@ -73,8 +73,21 @@ def split_methods(methods: str) -> list[str]:
     return [m for m in out + [cur.strip()] if m]
 
 
-def parse_methods(methods: str, blocks: list[int], baseline: bool) -> list[tuple[str, str, int | None]]:
-    """[(label, method, block)]: AR first as the reference; a block sweep labels `linear@16`."""
+DEFAULT_BLOCK = 8
+
+
+def default_block(method: str) -> int:
+    """The block a method runs at when --block is not given: its own `bench_block` (TiDAR: 4),
+    else DEFAULT_BLOCK."""
+    from fastspec.methods import METHODS, parse_method_spec
+    name = parse_method_spec(method)[0]
+    return (METHODS[name].bench_block if name in METHODS else None) or DEFAULT_BLOCK
+
+
+def parse_methods(methods: str, blocks: list[int] | None, baseline: bool) -> list[tuple[str, str, int | None]]:
+    """[(label, method, block)]: AR first as the reference; a block sweep labels `linear@16`.
+    blocks None (no --block): every method at DEFAULT_BLOCK, or at its own `bench_block`
+    (TiDAR: 4); a block in the spec's brackets wins either way."""
     from fastspec.methods import METHODS, parse_method_spec
     names = list(dict.fromkeys(split_methods(methods)))
     if not names:
@@ -82,6 +95,11 @@ def parse_methods(methods: str, blocks: list[int], baseline: bool) -> list[tuple
     for n in names:
         if parse_method_spec(n)[0] not in METHODS:
             raise FastspecError(f"unknown method {n!r} (available: {', '.join(METHODS)})")
+    if blocks is None:
+        spec = [(n, n, default_block(n)) for n in names if n != "ar"]
+        for _, n, b in spec:
+            check_blocks([n], [b])             # a bad option fails before anything loads
+        return ([("ar", "ar", None)] if baseline or "ar" in names else []) + spec
     check_blocks(names, blocks)
     if baseline and "ar" not in names:
         names.insert(0, "ar")
@@ -206,7 +224,8 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", dflash="a
     if limit < 1:
         raise FastspecError(f"--limit must be >= 1, got {limit}")
     backends = parse_backends(backend)
-    plan = parse_methods(methods, parse_int_list(blocks, "--block"), baseline)
+    block_list = None if blocks is None else parse_int_list(blocks, "--block")
+    plan = parse_methods(methods, block_list, baseline)
     levels = parse_int_list(concurrency, "--concurrency")
     peer_names = [p.strip() for p in (peers or "").split(",") if p.strip()]
     from fastspec.evals.peers import check_peers
@@ -308,7 +327,7 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", dflash="a
     m = metrics(records, runs)
     print_report(console, m)
     from fastspec.evals.recguide_report import print_tables
-    block_list = parse_int_list(blocks, "--block")
+    block_list = block_list or [DEFAULT_BLOCK]
     print_tables(console, runs, records, block_list[0] if len(block_list) == 1 else None)
     from fastspec.evals.report import calibration_tables
     for table in calibration_tables(runs):

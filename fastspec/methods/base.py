@@ -86,6 +86,8 @@ class Method:
     # there) instead of its own plan's block.
     widen_joined = False
     timed = False                   # True: the planner reads measured step times (costs a sync on GPU)
+    # The block `fastspec bench` gives it when --block is not set (None: the suite's 8).
+    bench_block: int | None = None
 
     def __init__(self, block: int = 16):
         self.block = block
