@@ -338,7 +338,8 @@ def _plot_pareto(fig, m) -> bool:
     ax.set(title="Aggregate vs per-request throughput", xlabel="per-request throughput (tokens/s)",
            ylabel="aggregate throughput (tokens/s)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    # Beside the axes, not on them: with many methods an inside legend covers the points.
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
     return True
 
 
