@@ -45,13 +45,16 @@ def print_tables(console, runs: list[dict], records, block: int | None = None) -
     reports = [r for r in runs if "proposed" in (r.get("method_report") or {})]    # RecGuide's
     libra = [r for r in runs if "gamma_share" in (r.get("method_report") or {})]   # LibraSpec's
     spec = [r for r in runs if r["method"] != "ar" and "@" not in r["method"]]
-    if block:
+    ran = {r["method"]: r["block"] for r in spec if r.get("block")}    # the B each run used
+    if block or ran:
         for name in sorted({r["method"] for r in spec}):
             if "adaptive" in name or "blocks=" in name:
                 continue
             from fastspec.methods import parse_method_spec
-            own = parse_method_spec(name)[1].get("block", block)   # linear[block=16]: its own B
-            t = transitions(records, name, own if isinstance(own, int) and own > 1 else block)
+            # linear[block=16]: its own B (JSONs before runs recorded their block)
+            own = ran.get(name) or parse_method_spec(name)[1].get("block", block)
+            own = own if isinstance(own, int) and own > 1 else block
+            t = transitions(records, name, own) if own else None
             if t is None:
                 continue
             tab = Table(title=f"Table 1 — {name}: acceptance interval, round t → t+1")

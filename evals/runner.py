@@ -50,13 +50,14 @@ class Item:
     max_new_tokens: int
 
 
-def check_blocks(methods: list[str], blocks: list[int]) -> None:
-    """Every --block must suit every speculative method asked for, before anything runs. With AR
-    alone the block is checked against the default speculative method (linear), so a typo in a
-    script fails at once rather than when a speculative method is added to it."""
+def check_blocks(methods: list[str], blocks: list[int] | None) -> None:
+    """Every --block must suit every speculative method asked for, before anything runs (None:
+    each method's `default_block`, which checks its bracket options). With AR alone the block is
+    checked against the default speculative method (linear), so a typo in a script fails at once
+    rather than when a speculative method is added to it."""
     from fastspec.methods import get_method
     for name in [m for m in methods if m != "ar"] or ["linear"]:
-        for b in blocks:
+        for b in blocks or [default_block(name)]:
             get_method(name, block=b)          # raises the method's own one-line error
 
 
@@ -95,11 +96,6 @@ def parse_methods(methods: str, blocks: list[int] | None, baseline: bool) -> lis
     for n in names:
         if parse_method_spec(n)[0] not in METHODS:
             raise FastspecError(f"unknown method {n!r} (available: {', '.join(METHODS)})")
-    if blocks is None:
-        spec = [(n, n, default_block(n)) for n in names if n != "ar"]
-        for _, n, b in spec:
-            check_blocks([n], [b])             # a bad option fails before anything loads
-        return ([("ar", "ar", None)] if baseline or "ar" in names else []) + spec
     check_blocks(names, blocks)
     if baseline and "ar" not in names:
         names.insert(0, "ar")
@@ -111,7 +107,8 @@ def parse_methods(methods: str, blocks: list[int] | None, baseline: bool) -> lis
         if n == "ar":
             out.append(("ar", "ar", None))
         else:
-            out += [(n if len(blocks) == 1 else f"{n}@{b}", n, b) for b in blocks]
+            out += [(n if blocks is None or len(blocks) == 1 else f"{n}@{b}", n, b)
+                    for b in blocks or [default_block(n)]]
     return out
 
 
@@ -265,7 +262,7 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", dflash="a
                                   "records": [asdict(r) for r in records]})
 
     def add(label, c, completions, stats, warm, bucket, which, errors, method_report=None,
-            calibration=None):
+            calibration=None, block=None):
         """Records of one run: completions[j] answers items[which[j]]; errors: {item: message}."""
         for comp in completions:
             i, it = which[comp.index], items[which[comp.index]]
@@ -285,6 +282,7 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", dflash="a
                                   None, None, 0.0, None, "error", None, None, "", None, bucket, msg))
         if completions:
             runs.append({"method": label, "concurrency": c, "batch_bucket": bucket, "warmup_s": warm,
+                         **({"block": block} if block else {}),
                          **asdict(stats), "tokens_per_s": stats.tokens_per_s,
                          "tokens_per_forward": stats.tokens_per_forward, "errors": len(errors),
                          **({"method_report": method_report} if method_report else {}),
@@ -311,7 +309,8 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", dflash="a
                         errors.update({i: str(e) for i in which})
                 meth = eng.method(method, block) if method != "ar" else None
                 report = meth.report() if out and hasattr(meth, "report") else None
-                add(label + tag, c, out, stats, warm, bucket, which, errors, report, calib)
+                add(label + tag, c, out, stats, warm, bucket, which, errors, report, calib,
+                    block=meth.block if meth is not None else None)
     if peer_names:
         from fastspec.evals.peers import run_hf_peers
         which = [i for i, ids in enumerate(prompt_ids) if _too_long(engine, "ar", None, ids, base) is None]
@@ -327,8 +326,7 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", dflash="a
     m = metrics(records, runs)
     print_report(console, m)
     from fastspec.evals.recguide_report import print_tables
-    block_list = block_list or [DEFAULT_BLOCK]
-    print_tables(console, runs, records, block_list[0] if len(block_list) == 1 else None)
+    print_tables(console, runs, records, block_list[0] if block_list and len(block_list) == 1 else None)
     from fastspec.evals.report import calibration_tables
     for table in calibration_tables(runs):
         console.print(table)

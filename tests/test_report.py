@@ -140,6 +140,25 @@ def test_table1_reads_each_method_at_its_own_block_size():
     assert transitions(records, "linear[block=16]", 16) == [[0, 0, 1], [0, 0, 0], [0.5, 0, 0.5]]
 
 
+def test_table1_reads_the_block_a_run_recorded_without_a_run_wide_block():
+    """bench without --block: TiDAR ran at its own B=4 and its run says so; Table 1 reads its
+    rounds of 4 (a fully accepted 4-block is 'high'), not the suite's 8."""
+    from fastspec.evals.recguide_report import print_tables
+    records = [rec("gsm8k", "tidar", 1, 20, [4, 4, 1, 4, 2], 1.0)]
+    runs = [{"method": "tidar", "concurrency": 1, "tokens_per_s": 1.0, "tokens_per_forward": 1.0,
+             "block": 4}]
+    console = Console(record=True, width=200)
+    print_tables(console, runs, records, block=None)
+    text = console.export_text()
+    assert text.count("Table 1") == 1
+    rows = {cells[1].split()[0]: [c.strip() for c in cells[2:-1]]
+            for line in text.splitlines() if (cells := line.split("│"))[1:2]
+            and cells[1].split()[:1] in (["low"], ["mid"], ["high"])}
+    # rounds (last cut): 4 4 1 4 -> high high low high: from high, 1/2 to low and 1/2 to high
+    assert rows == {"low": ["0.00", "0.00", "1.00"], "mid": ["0.00", "0.00", "0.00"],
+                    "high": ["0.50", "0.00", "0.50"]}
+
+
 def test_the_gate_bound_table_shows_each_slot_count_of_a_recguide_run():
     from fastspec.evals.recguide_report import print_tables
     report = {"rounds": 10, "proposed": 0, "laid_out": 0, "coverage": 0.3, "reuse": 0.0,

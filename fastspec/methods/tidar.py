@@ -81,7 +81,7 @@ class TiDAR(LinearSS):
     # round's 20 tokens on a CPU for about the same tokens per forward (see __init__).
     bench_block = 4
 
-    def __init__(self, block: int = 4, seed: str = "mask"):
+    def __init__(self, block: int = bench_block, seed: str = "mask"):
         """seed: how the correction sub-blocks start: "mask" (seedless, TiDAR's layout) or
         "guess" (the draft's alternative token).
         block: B, the verify width; a round's forward has B + B² tokens per row. Default 4:
