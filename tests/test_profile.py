@@ -89,6 +89,8 @@ def test_tiny_profile_run_writes_json_and_png(tmp_path):
     assert "N=4" in result.output and "roofline" in result.output
     prof = Profile.load(str(out))
     assert prof.model == "tiny-random" and prof.backend == "eager" and prof.torch
+    env = prof.meta["environment"]                     # what ran, as in bench's JSON
+    assert env["backend"] == "eager" and env["dtype"] == "float32" and env["kernel"] and env["isa"]
     assert len(prof.points) == 2 * 2 * 2               # batch × block × layout (chain, draft)
     assert {(p["batch"], p["block"]) for p in prof.points} == {(1, 1), (1, 4), (2, 1), (2, 4)}
     assert all(p["ms"] > 0 and p["compile_s"] >= 0 and p["peak_mem_mb"] > 0 for p in prof.points)
