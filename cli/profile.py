@@ -87,8 +87,7 @@ def profile(model, device, dtype, weights, backend, batches, blocks, layouts, co
 
     prof = run_profile(loaded, batches=batch_list, blocks=block_list, layouts=layout_list,
                        contexts=ctx_list, backend=backend, reps=reps, bandwidth_mib=bandwidth_mib,
-                       trace=trace, on_point=progress, checkpoint=out)
-    prof.meta["environment"] = env          # what ran, as in bench's and speed's JSON
+                       trace=trace, on_point=progress, checkpoint=out, environment=env)
     prof.save(out)
     wrote = [out]
     try:

@@ -372,7 +372,8 @@ def run_profile(loaded, batches: Iterable[int] = (1, 4), blocks: Iterable[int] =
                 backend: str = "auto", reps: int = 10, bandwidth_mib: int = 1024,
                 gemm_n: int = 1024, trace: str | None = None,
                 on_point: Callable[[dict], None] | None = None,
-                checkpoint: str | None = None, compiler=None) -> Profile:
+                checkpoint: str | None = None, compiler=None,
+                environment: dict | None = None) -> Profile:
     """Measure every (batch, block, layout, ctx) point and fit the roofline.
 
     loaded: a LoadedModel. backend: a StepRunner backend (auto | cuda-graph | compile | eager);
@@ -381,6 +382,7 @@ def run_profile(loaded, batches: Iterable[int] = (1, 4), blocks: Iterable[int] =
     trace: write a torch.profiler Chrome trace of one forward per shape to this file.
     checkpoint: save the profile measured so far to this path after every point (an interrupted
     run keeps its points). `ms` is the median of `reps` timed calls, `ms_min` the fastest.
+    environment: `run_environment`'s record of what ran, kept as meta["environment"].
     """
     batches, blocks, layouts, contexts = (sorted(set(x)) for x in (batches, blocks, layouts, contexts))
     model, cfg = loaded.model, loaded.cfg
@@ -389,6 +391,8 @@ def run_profile(loaded, batches: Iterable[int] = (1, 4), blocks: Iterable[int] =
     device, dtype = param.device, param.dtype
     meta = {"threads": torch.get_num_threads(), "reps": reps,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if environment is not None:            # in every checkpoint too, not only the final save
+        meta["environment"] = environment
     if "draft" in layouts:
         meta["adapter"] = ensure_adapter(model)
     peak = measure_peak_flops(device, n=gemm_n)
