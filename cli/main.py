@@ -283,6 +283,11 @@ def chat(model, dtype, device, weights, dflash, adapter, backend, max_new_tokens
                    "on a GGUF of the weights at their precision; pip install 'fastspec[llamacpp]'); "
                    "comma-separated.")
 @click.option("--no-baseline", is_flag=True, help="Do not run AR as the reference.")
+@click.option("--interleave", type=int, default=0, show_default=True, metavar="N",
+              help="Paired timing for machines whose speed drifts (shared or throttled CPUs): the "
+                   "methods take turns on each group of N prompts (at least C), the order rotated "
+                   "group by group, instead of each method running every prompt in turn. The "
+                   "tokens are the same; at C>1 every group drains before the next starts. 0: off.")
 @recguide_options
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
               help="Write every per-request record, the metrics and the environment to this JSON file.")
@@ -291,7 +296,7 @@ def chat(model, dtype, device, weights, dflash, adapter, backend, max_new_tokens
 @user_errors(interrupted="interrupted: every finished (method, concurrency) run is in the --json file")
 def bench(model, dtype, device, weights, dflash, adapter, backend, suite, benches, prompts_file, limit, methods, blocks,
           concurrency, max_new_tokens, temperature, top_p, top_k, seed, data_dir, peers, no_baseline,
-          json_out, plot_from, **recguide):
+          interleave, json_out, plot_from, **recguide):
     """Benchmark decoding methods: τ, tokens/forward, tokens/s, speedup over AR, accuracy.
 
     \b
@@ -300,6 +305,7 @@ def bench(model, dtype, device, weights, dflash, adapter, backend, suite, benche
       fastspec bench --suite all --method ar,linear --limit 3 --concurrency 1,4 --json r.json
       fastspec bench --plot r.json
       fastspec bench --bench gsm8k --backend compile,eager      compiled vs eager steps
+      fastspec bench --method ar,linear --interleave 1         AR and LinearSS paired prompt by prompt
     """
     if plot_from:
         from fastspec.evals.report import write_plots
@@ -321,7 +327,7 @@ def bench(model, dtype, device, weights, dflash, adapter, backend, suite, benche
               temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, suite=suite,
               benches=benches, prompts_file=prompts_file, limit=limit, methods=methods, blocks=blocks,
               concurrency=concurrency, data_dir=data_dir, json_out=json_out, peers=peers,
-              baseline=not no_baseline, console=console, load_engine=load_engine)
+              baseline=not no_baseline, console=console, load_engine=load_engine, interleave=interleave)
 
 
 @cli.command()

@@ -334,6 +334,13 @@ class DraftStats:
         self.requests: list[int] = []
         self.blocks: list[int] = []
         self.seconds = 0.0
+        self.index_base = 0                      # added to the generate indices (resume)
+
+    def resume(self, index_base: int) -> None:
+        """Before a further generate call of the same run (bench --interleave): its rounds are
+        ours from now on, and its request j is request `index_base + j` of the run."""
+        self._seen = self.engine.last_rounds
+        self.index_base = index_base
 
     def on_commit(self, index: int, ids: list[int], n_drafted: int) -> None:
         rounds = self.engine.last_rounds
@@ -347,7 +354,7 @@ class DraftStats:
                 continue
             self._parts.append((stats[0].shape[1],
                                 torch.cat([*(t.float() for t in stats), out.n_drafted[:, None].float()], 1)))
-            self.requests += [q.index for q in members]
+            self.requests += [self.index_base + q.index for q in members]
             self.blocks += [q.block for q in members]
         self.seconds += time.perf_counter() - t0
 

@@ -19,6 +19,10 @@ Definitions (AR, method "ar", is the reference at the same concurrency C):
   speedup           per (method, C): aggregate tok/s ÷ AR aggregate tok/s. Per benchmark the
                     runs are mixed (a batch holds requests of several benchmarks), so there is no
                     per-benchmark aggregate: per-request tok/s ÷ AR per-request tok/s instead.
+  paired speedup    per (method, C): the geometric mean over requests of the request's
+                    per-request tok/s ÷ AR's on the same request, with a 95% bootstrap interval
+                    (2,000 resamples of the requests, fixed seed). It is what `--interleave`
+                    measures well: each pair then ran minutes apart at most.
   accuracy          mean of non-None `correct`; identical: share of records equal to AR.
   macro average     mean over benchmarks of the per-benchmark values (the tables' "avg").
   draft calibration a drafting run's `calibration` block (evals.calibration): ECE, Brier, AUC of
@@ -100,6 +104,8 @@ def metrics(records, runs) -> dict:
                 row["tokens_per_forward"] = run.get("tokens_per_forward")
             row["tokens_per_s"] = run["tokens_per_s"] if run else None
             row["speedup"] = _ratio(row["tokens_per_s"], ref["tokens_per_s"] if ref else None)
+            if m != REFERENCE:
+                row["paired_speedup"] = paired_speedup(groups.get((m, c), []), groups.get((REFERENCE, c), []))
             by_method.append(row)
             bench_rows = []
             for b in benches:
@@ -115,6 +121,32 @@ def metrics(records, runs) -> dict:
                           **{k: _mean([br[k] for br in bench_rows]) for k in MACRO_KEYS}})
     return {"methods": methods, "benches": benches, "concurrency": levels,
             "by_method": by_method, "by_bench": by_bench, "macro": macro}
+
+
+def paired_speedup(rs: list[dict], ref: list[dict], resamples: int = 2000) -> dict | None:
+    """Geometric mean of per-request rate ratios against AR on the same requests (bench,
+    problem_id), with a 95% bootstrap interval; None with fewer than 2 pairs."""
+    import numpy as np
+    at = {(r["bench"], r["problem_id"]): _rate(r) for r in ref}
+    logs = [np.log(a / b) for r in rs if (a := _rate(r)) and (b := at.get((r["bench"], r["problem_id"])))]
+    if len(logs) < 2:
+        return None
+    x = np.array(logs)
+    means = x[np.random.default_rng(0).integers(0, len(x), (resamples, len(x)))].mean(1)
+    lo, hi = np.quantile(means, [0.025, 0.975])
+    return {"geomean": float(np.exp(x.mean())), "ci95": [float(np.exp(lo)), float(np.exp(hi))],
+            "requests": len(x)}
+
+
+def paired_lines(m: dict) -> list[str]:
+    """One line per (method, C) with a paired speedup, for the console."""
+    out = []
+    for r in m["by_method"]:
+        p = r.get("paired_speedup")
+        if p:
+            out.append(f"paired per request vs AR, C={r['concurrency']}: {r['method']} {p['geomean']:.2f}× "
+                       f"(95% CI {p['ci95'][0]:.2f}–{p['ci95'][1]:.2f}, {p['requests']} requests)")
+    return out
 
 
 def lookup(m: dict, part: str, **key) -> dict | None:

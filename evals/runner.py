@@ -210,7 +210,8 @@ def prompt_token_ids(engine, items: list[Item]) -> list[list[int]]:
 
 def run_bench(*, model, dtype, backend, device="auto", adapter="auto", dflash="auto", max_new_tokens, temperature,
               top_p, top_k, seed, suite, benches, prompts_file, limit, methods, blocks, concurrency,
-              data_dir, json_out, peers, baseline, console: Console, load_engine, weights="fp32"):
+              data_dir, json_out, peers, baseline, console: Console, load_engine, weights="fp32",
+              interleave: int = 0):
     from fastspec.draft import has_adapter
     from fastspec.engine import Engine
     from fastspec.evals.report import metrics, print_report
@@ -220,6 +221,8 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", dflash="a
     # Every flag is checked before the model loads or anything runs.
     if limit < 1:
         raise FastspecError(f"--limit must be >= 1, got {limit}")
+    if interleave < 0:
+        raise FastspecError(f"--interleave must be >= 0 (0: off), got {interleave}")
     backends = parse_backends(backend)
     block_list = None if blocks is None else parse_int_list(blocks, "--block")
     plan = parse_methods(methods, block_list, baseline)
@@ -247,9 +250,13 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", dflash="a
                                 f"one with `fastspec train-drafter --kind dflash --model {model}` or "
                                 f"pass --dflash DIR")
     env = environment([e for e, _ in engines], model)
+    env["interleave"] = interleave                   # 0: each method ran every prompt in turn
     console.print(f"[dim]{model} on {env['device']}, {env['dtype']}, backend {env['backend']}, "
                   f"weights {env['weights']}, kernel {env['kernel']}{', ' + env['prefetch'] if env.get('prefetch') else ''} (CPU ISA {env['isa']})[/]",
                   highlight=False)
+    if interleave:
+        console.print(f"[dim]interleaved: the methods take turns on groups of max({interleave}, C) prompts[/]",
+                      highlight=False)
     prompt_ids = prompt_token_ids(engine, items)
     records: list[Record] = []
     runs: list[dict] = []
@@ -289,28 +296,57 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", dflash="a
                          **({"calibration": calibration} if calibration else {})})
         save()
 
+    def finish(mr: MethodRun, eng, tag: str, c: int) -> None:
+        bucket, calib = None, None
+        if mr.out:
+            # The GraphKey batch of a full round: C in flight, padded to a bucket.
+            bucket = batch_bucket(min(c, len(mr.which)))
+            calib = _calibration(eng, mr.draft_stats, [items[i].bench for i in mr.which])
+        meth = eng.method(mr.method, mr.block) if mr.method != "ar" else None
+        report = meth.report() if mr.out and hasattr(meth, "report") else None
+        add(mr.label + tag, c, mr.out, mr.stats, mr.warm, bucket, mr.which if mr.out else [],
+            mr.errors, report, calib, block=meth.block if meth is not None else None)
+
+    def run_part(mr: MethodRun, part: list[int], eng, tag: str, c: int) -> None:
+        first = mr.stats is None
+        try:
+            out, stats, warm, mr.draft_stats = _run_one(
+                eng, [prompt_ids[i] for i in part], [params[i] for i in part], mr.label + tag,
+                mr.method, mr.block, c, console, draft_stats=mr.draft_stats, index_base=len(mr.out),
+                keep_counts=not first)
+        except FastspecError as e:                   # the run as a whole failed: it is reported
+            mr.errors.update({i: str(e) for i in mr.which})
+            mr.failed, mr.out = True, []
+            return
+        base = len(mr.out)                           # completion j of this part answers mr.which[base + j]
+        mr.out += [replace(comp, index=base + comp.index) for comp in out]
+        mr.stats = stats if first else add_stats(mr.stats, stats)
+        mr.warm += warm
+
     for c in levels:
         for eng, tag in engines:
+            # A request that cannot run becomes an error row; the others still run.
+            runs_here = []
             for label, method, block in plan:
-                # A request that cannot run becomes an error row; the others still run.
                 errors = {i: why for i, ids in enumerate(prompt_ids)
                           if (why := _too_long(eng, method, block, ids, params[i])) is not None}
-                which = [i for i in range(len(items)) if i not in errors]
-                out, stats, warm, bucket, calib = [], None, 0.0, None, None
-                if which:
-                    try:
-                        out, stats, warm, draft_stats = _run_one(
-                            eng, [prompt_ids[i] for i in which], [params[i] for i in which],
-                            label + tag, method, block, c, console)
-                        # The GraphKey batch of a full round: C in flight, padded to a bucket.
-                        bucket = batch_bucket(min(c, len(which)))
-                        calib = _calibration(eng, draft_stats, [items[i].bench for i in which])
-                    except FastspecError as e:       # the run as a whole failed: it is reported
-                        errors.update({i: str(e) for i in which})
-                meth = eng.method(method, block) if method != "ar" else None
-                report = meth.report() if out and hasattr(meth, "report") else None
-                add(label + tag, c, out, stats, warm, bucket, which, errors, report, calib,
-                    block=meth.block if meth is not None else None)
+                runs_here.append(MethodRun(label, method, block,
+                                           [i for i in range(len(items)) if i not in errors], errors))
+            # One part per method (each method over every prompt in turn), or with --interleave
+            # the methods take turns on each group of prompts, the order rotated group by group.
+            size = max(interleave, c) if interleave else len(items)
+            groups = [set(range(j, min(j + size, len(items)))) for j in range(0, len(items), size)]
+            for g, group in enumerate(groups):
+                order = runs_here[g % len(runs_here):] + runs_here[:g % len(runs_here)] if interleave else runs_here
+                for mr in order:
+                    part = [i for i in mr.which if i in group]
+                    if part and not mr.failed:
+                        run_part(mr, part, eng, tag, c)
+                    if not interleave:               # saved as soon as it ends (Ctrl-C keeps it)
+                        finish(mr, eng, tag, c)
+            if interleave:
+                for mr in runs_here:
+                    finish(mr, eng, tag, c)
     if peer_names:
         from fastspec.evals.peers import run_hf_peers
         which = [i for i, ids in enumerate(prompt_ids) if _too_long(engine, "ar", None, ids, base) is None]
@@ -325,6 +361,10 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", dflash="a
         raise FastspecError(f"no request could run: {failed[0].error}")
     m = metrics(records, runs)
     print_report(console, m)
+    if interleave:
+        from fastspec.evals.report import paired_lines
+        for line in paired_lines(m):
+            console.print(line, highlight=False)
     from fastspec.evals.recguide_report import print_tables
     print_tables(console, runs, records, block_list[0] if block_list and len(block_list) == 1 else None)
     from fastspec.evals.report import calibration_tables
@@ -346,6 +386,27 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", dflash="a
     return m
 
 
+@dataclass
+class MethodRun:
+    """One (method, C) run being gathered: with --interleave it comes in parts."""
+    label: str
+    method: str
+    block: int | None
+    which: list[int]                    # the items it runs, in order
+    errors: dict[int, str]              # item -> why it could not run
+    out: list = field(default_factory=list)       # completions; index = position in `which`
+    stats: object = None                # RunStats, summed over the parts
+    warm: float = 0.0
+    draft_stats: object = None
+    failed: bool = False
+
+
+def add_stats(a, b):
+    """Two parts of one run as one RunStats: every field is a count or a duration."""
+    from dataclasses import fields
+    return type(a)(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(a)})
+
+
 def _calibration(engine, draft_stats, bench_of: list[str]) -> dict | None:
     """The run's draft-calibration block (None for a method that does not draft): metrics over
     all rounds and per benchmark, raw and under the adapter's fitted calibration when it has one."""
@@ -359,9 +420,11 @@ def _calibration(engine, draft_stats, bench_of: list[str]) -> dict | None:
                              collect_s=draft_stats.seconds)
 
 
-def _run_one(engine, prompt_ids, params, label, method, block, concurrency, console):
-    """One (method, C) run: completions, the engine's stats, its warm-up seconds and the rounds'
-    draft statistics (evals.calibration.DraftStats, gathered as rounds commit)."""
+def _run_one(engine, prompt_ids, params, label, method, block, concurrency, console,
+             draft_stats=None, index_base=0, keep_counts=False):
+    """One (method, C) run, or one part of it (keep_counts: a later part; draft_stats carries on,
+    its requests numbered from index_base): completions, the engine's stats, its warm-up seconds
+    and the rounds' draft statistics (evals.calibration.DraftStats, gathered as rounds commit)."""
     from fastspec.evals.calibration import DraftStats
     total = sum(p.max_new_tokens for p in params)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
@@ -382,9 +445,13 @@ def _run_one(engine, prompt_ids, params, label, method, block, concurrency, cons
                 progress.update(task, completed=count,
                                 info=f"{count / max(el, 1e-9):.1f} tok/s  τ {count / rounds:.2f}")
 
-        draft_stats = DraftStats(engine)
+        if draft_stats is None:
+            draft_stats = DraftStats(engine)
+        else:
+            draft_stats.resume(index_base)
         out = engine.generate(prompt_ids, params, method=method, block=block,
-                              concurrency=concurrency, on_commit=draft_stats.chain(on_commit))
+                              concurrency=concurrency, on_commit=draft_stats.chain(on_commit),
+                              keep_counts=keep_counts)
         progress.update(task, completed=total)
     # Compilation for new shapes happens before the timed loop; it is reported, not counted.
     return out, engine.last_stats, engine.warmup_s, draft_stats

@@ -556,12 +556,14 @@ class Engine:
     def generate(self, prompts: Seq[str | list[int]],
                  sampling: SamplingParams | Seq[SamplingParams] | None = None,
                  method: str | Method = "ar", concurrency: int = 1, block: int | None = None,
-                 on_commit: Callable[[int, list[int], int], None] | None = None) -> list[Completion]:
+                 on_commit: Callable[[int, list[int], int], None] | None = None,
+                 keep_counts: bool = False) -> list[Completion]:
         """Decode every prompt with `method` ("ar", "linear", ... or a Method instance).
 
         At most `concurrency` requests are in flight. `sampling` is one SamplingParams for all
         prompts or one per prompt. `on_commit(index, new_token_ids, n_drafted)` streams tokens as
-        rounds commit them; the first `n_drafted` of them were accepted drafts.
+        rounds commit them; the first `n_drafted` of them were accepted drafts. keep_counts: this
+        call continues the method's last run (its report counts on; `bench --interleave`).
         """
         meth = self.method(method, block)
         if meth.needs_adapter and not has_adapter(self.model):
@@ -583,7 +585,7 @@ class Engine:
         self.sampler = SamplerState(C + 1, self.device, mode=sampling_mode(per_request))
         meth.begin(RunInfo(C, batch_bucket(C), set(self.eos_ids),
                            self.step_ms.setdefault(meth.key_name(), {}), self.forward_cost,
-                           model=self.model))
+                           model=self.model, keep_counts=keep_counts))
         self.prepare(C, max(len(s.prompt_ids) + s.params.max_new_tokens for s in seqs), meth)
         self.warmup_s += self.warm_prefill([len(s.prompt_ids) for s in seqs], meth)
         c = self.cache

@@ -300,3 +300,49 @@ def test_bench_gives_tidar_its_own_block_unless_a_block_is_asked_for():
     from fastspec.methods import get_method
     assert get_method("tidar[block=2]", block=4).block == 2
     assert (default_block("tidar[seed=guess]"), default_block("linear"), default_block("ar")) == (4, 8, 8)
+
+
+def test_interleaved_bench_changes_the_clock_not_the_tokens(tmp_path, adapter_dir):
+    """--interleave: the methods take turns on groups of prompts (paired timing on a drifting
+    machine). Every request decodes to the same tokens in the same rounds as in the plain run,
+    the runs' counts and the methods' reports add up over the parts, and the calibration block
+    numbers its requests across parts. (4 prompts: at C=2 every group is full; a short last group
+    would run as a smaller C, with that C's cost model.)"""
+    prompts = write_prompts(tmp_path / "p.jsonl", [f"question {i}" for i in range(4)])
+    args = ("--prompts", prompts, "--method", "ar,linear,libraspec,tidar", "--block", "4",
+            "--concurrency", "1,2")
+    plain_dir, inter_dir = tmp_path / "plain", tmp_path / "inter"
+    plain_dir.mkdir(), inter_dir.mkdir()
+    r1, t1, plain = bench_json(plain_dir, adapter_dir, *args)
+    r2, t2, inter = bench_json(inter_dir, adapter_dir, *args, "--interleave", "1")
+    assert r1.exit_code == 0 and r2.exit_code == 0, t1 + t2
+    assert "interleaved" in t2 and plain["environment"]["interleave"] == 0
+    assert "paired per request vs AR, C=1: linear" in t2 and "paired per request" not in t1
+    assert all(r["paired_speedup"]["requests"] == 4 for r in inter["metrics"]["by_method"] if r["method"] != "ar")
+    assert inter["environment"]["interleave"] == 1
+
+    def by_request(data):
+        return {(r["method"], r["concurrency"], r["problem_id"]): (r["completion"], r["rounds"], r["accept_lengths"])
+                for r in data["records"]}
+    assert by_request(inter) == by_request(plain) and len(by_request(plain)) == 4 * 2 * 4
+    assert all(r["identical"] is True for r in inter["records"])
+
+    def counts(data):
+        return {(r["method"], r["concurrency"]): (r["requests"], r["new_tokens"], r["forwards"], r["rounds"],
+                                                  r["request_forwards"], r["batch_bucket"])
+                for r in data["runs"]}
+    assert counts(inter) == counts(plain)
+    reports = lambda data, m, keys: {r["concurrency"]: {k: r["method_report"][k] for k in keys}
+                                     for r in data["runs"] if r["method"] == m}
+    assert reports(inter, "libraspec", ("rounds", "gamma_share")) == reports(plain, "libraspec", ("rounds", "gamma_share"))
+    assert reports(inter, "tidar", ("rounds", "seed_trials", "seed_hits")) == \
+        reports(plain, "tidar", ("rounds", "seed_trials", "seed_hits"))
+    cal = lambda data: {r["concurrency"]: (r["calibration"]["all"]["rounds"], r["calibration"]["all"]["positions"])
+                        for r in data["runs"] if r["method"] == "linear"}
+    assert cal(inter) == cal(plain)
+
+
+def test_interleave_must_not_be_negative(tmp_path, adapter_dir):
+    prompts = write_prompts(tmp_path / "p.jsonl", ["question"])
+    result, text, _ = bench_json(tmp_path, adapter_dir, "--prompts", prompts, "--interleave", "-1")
+    assert_one_line_error(result, text, "--interleave must be >= 0")

@@ -195,3 +195,22 @@ def test_figure5_points_use_the_tables_per_request_rate():
     m = metrics(records, runs)
     assert pts["linear"][0][2] == pytest.approx(lookup(m, "by_method", method="linear", concurrency=1)
                                                 ["per_request_tokens_per_s"])
+
+
+def test_paired_speedup_is_the_geometric_mean_of_per_request_ratios_with_an_interval():
+    """Each request against AR on the same request: twice as fast on one, half on another ->
+    geometric mean 1; a constant ratio has a zero-width interval; fewer than 2 pairs: none."""
+    from fastspec.evals.report import paired_speedup
+
+    def rec(pid, rate, method="linear"):
+        # (new_tokens - 1) / (latency - ttft) = rate
+        return {"bench": "b", "problem_id": pid, "method": method, "new_tokens": 11,
+                "latency_s": 1.0 + 10 / rate, "ttft_s": 1.0}
+    ar = [rec(str(i), 10.0, "ar") for i in range(4)]
+    p = paired_speedup([rec("0", 20.0), rec("1", 5.0), rec("2", 20.0), rec("3", 5.0)], ar)
+    assert abs(p["geomean"] - 1.0) < 1e-9 and p["requests"] == 4
+    assert p["ci95"][0] < 1.0 < p["ci95"][1]
+    q = paired_speedup([rec(str(i), 13.0) for i in range(4)], ar)
+    assert abs(q["geomean"] - 1.3) < 1e-9 and abs(q["ci95"][0] - 1.3) < 1e-9 and abs(q["ci95"][1] - 1.3) < 1e-9
+    assert paired_speedup([rec("0", 13.0)], ar) is None
+    assert paired_speedup([rec("9", 13.0), rec("8", 13.0)], ar) is None      # no request in common

@@ -60,6 +60,14 @@ class RunInfo:
     # T(rows, tokens) in ms of one forward, from the device's profile (graphs/profile.ForwardCost)
     forward_ms: Callable[[int, int], float] = field(default=lambda rows, tokens: 1.0 + 0.05 * rows * tokens)
     model: Any = None                           # the target model (a method with its own drafter binds to it)
+    # A later part of one measured run (`fastspec bench --interleave`: the methods take turns on
+    # groups of prompts): the report's counts carry on from the earlier parts instead of restarting.
+    keep_counts: bool = False
+
+
+def fresh_counts(run: "RunInfo | None") -> bool:
+    """Should begin() start the report's counts afresh? (No for a later part of a run.)"""
+    return run is None or not run.keep_counts
 
 
 class Method:

@@ -41,7 +41,7 @@ import torch
 
 from fastspec.config import FastspecError
 from fastspec.graphs.keys import BATCH_BUCKETS
-from fastspec.methods.base import Method, Plan, RoundOutput, RunInfo
+from fastspec.methods.base import Method, Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import (DrafterChoice, commit_path, draft_positions, draft_stats,
                                      make_drafter)
 from fastspec.sampling import filtered_logprobs
@@ -94,13 +94,15 @@ class BASTION(DrafterChoice, Method):
     def begin(self, run) -> None:
         if run is not None:
             self.bind_drafter(run)
+        fresh = fresh_counts(run)
         run = run or RunInfo(1, 1, set(), {})          # a nominal cost model until a run gives one
         self.forward_ms = run.forward_ms
         for rows in (b for b in BATCH_BUCKETS if b <= max(run.rows, 1)):
             for budget in self.budgets:
                 self.cost_tables[(rows, budget)] = self._costs(rows, budget)
-        self.stats = {"rounds": 0, "wanted": 0, "nodes": 0, "budget": 0, "tokens": 0}
-        self.budget_rounds: dict[int, int] = {}
+        if fresh:
+            self.stats = {"rounds": 0, "wanted": 0, "nodes": 0, "budget": 0, "tokens": 0}
+            self.budget_rounds: dict[int, int] = {}
 
     def _costs(self, rows: int, budget: int) -> tuple[float, ...]:
         draft = self.forward_ms(rows, self.draft_block)

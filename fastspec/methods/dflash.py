@@ -35,7 +35,7 @@ The drafting itself (drafter forward, capturing verify, ring writes) lives in
 from __future__ import annotations
 
 from fastspec.config import FastspecError
-from fastspec.methods.base import Method, Plan, RoundOutput
+from fastspec.methods.base import Method, Plan, RoundOutput, fresh_counts
 from fastspec.methods.drafter import NO_DRAFTER, DFlashDraft, DrafterChoice, chain_round
 from fastspec.model.dflash import DFlashDrafter
 
@@ -79,8 +79,9 @@ class DFlash(DrafterChoice, Method):
         if self.drafter is None and model is not None:
             self.bind(model)
         self.source.bound()
-        self.drafter_forwards = 0
-        self.source.prefilled = 0
+        if fresh_counts(run):
+            self.drafter_forwards = 0
+            self.source.prefilled = 0
 
     def key_name(self) -> str:
         return self.source.key_name()

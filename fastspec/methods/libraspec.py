@@ -60,7 +60,7 @@ import torch
 
 from fastspec.config import FastspecError
 from fastspec.graphs.keys import BATCH_BUCKETS
-from fastspec.methods.base import Plan, RoundOutput, RunInfo
+from fastspec.methods.base import Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import DrafterChoice, chain_round, make_drafter
 from fastspec.methods.linear import BLOCK_SIZES, LinearSS
 
@@ -141,6 +141,7 @@ class LibraSpec(DrafterChoice, LinearSS):
     def begin(self, run: RunInfo | None) -> None:
         if run is not None:
             self.bind_drafter(run)
+        fresh = fresh_counts(run)
         run = run or RunInfo(1, 1, set(), {})          # a nominal cost model until a run gives one
         self.run = run
         self.cost_source = getattr(run.forward_ms, "source", "given")
@@ -148,10 +149,11 @@ class LibraSpec(DrafterChoice, LinearSS):
         # Same numbers, same object: a compiled step that baked the old table stays valid.
         if costs != self.costs:
             self.costs = costs
-        self.gammas: Counter = Counter()            # chosen length -> rounds
-        self.widths: Counter = Counter()            # verify width -> rounds
-        self.capped = 0
-        self.by_rows: dict[int, list[int]] = {}     # rows T was read at -> [Σγ, rounds]
+        if fresh:
+            self.gammas: Counter = Counter()        # chosen length -> rounds
+            self.widths: Counter = Counter()        # verify width -> rounds
+            self.capped = 0
+            self.by_rows: dict[int, list[int]] = {} # rows T was read at -> [Σγ, rounds]
 
     def cost_table(self, forward_ms: Callable[[int, int], float]) -> dict[int, tuple[float, ...]]:
         """{rows: (T(0) .. T(max block))} for every batch bucket: T(γ) = forward_ms(rows, γ + 1).

@@ -60,7 +60,7 @@ import torch
 from fastspec.config import FastspecError
 from fastspec.convention import aligned_draft_logits, draft_block_mask, draft_adapter_flags
 from fastspec.layout import causal_block
-from fastspec.methods.base import CarrySpec, Plan, RoundOutput, RunInfo
+from fastspec.methods.base import CarrySpec, Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import draft_stats_and_alternatives, exact_first_draft
 from fastspec.methods.linear import BLOCK_SIZES, LinearSS
 from fastspec.sampling import filtered_logprobs, sample_from_logprobs
@@ -218,6 +218,16 @@ class RecGuide(LinearSS):
             self.step_ms = run.step_ms
             self.rows = run.rows
             self.forward_ms = run.forward_ms
+        if fresh_counts(run):
+            self._reset_counts()
+        # Step times (see timed_step): earlier runs' measurements seed the shapes, as of one moment.
+        self.shape = {key: ms / self.estimate_ms(*key) for key, ms in self.step_ms.items()}
+        self.level = sorted(self.shape.values())[len(self.shape) // 2] if self.shape else None
+        self.shape = {key: f / self.level for key, f in self.shape.items()}
+        self.shape_n = {key: 1 for key in self.shape}
+
+    def _reset_counts(self) -> None:
+        """The report's counts (Tables 3 and 4, the gate's decisions), zero."""
         # Counterfactual hit counts per slot: slot j's wanted branch matched the outcome.
         self.slot_covered = [0] * self.n_cand
         self.slot_trials = [0] * self.n_cand
@@ -226,11 +236,6 @@ class RecGuide(LinearSS):
         # dropped: carried drafts not verified because a step of their own cost more (keep_hits)
         self.table3 = {"rounds": 0, "proposed": 0, "laid_out": 0, "covered": 0, "reused": 0,
                        "dropped": 0}
-        # Step times (see timed_step): earlier runs' measurements seed the shapes, as of one moment.
-        self.shape = {key: ms / self.estimate_ms(*key) for key, ms in self.step_ms.items()}
-        self.level = sorted(self.shape.values())[len(self.shape) // 2] if self.shape else None
-        self.shape = {key: f / self.level for key, f in self.shape.items()}
-        self.shape_n = {key: 1 for key in self.shape}
         self.decisions: dict[int, int] = {}          # branch slots laid out -> rounds
         self.block_choices: dict[int, int] = {}      # block size -> rounds (Table 4)
 

@@ -58,7 +58,7 @@ import torch
 
 from fastspec.config import FastspecError
 from fastspec.convention import aligned_draft_logits
-from fastspec.methods.base import CarrySpec, Method, Plan, RoundOutput
+from fastspec.methods.base import CarrySpec, Method, Plan, RoundOutput, fresh_counts
 from fastspec.methods.drafter import draft_stats_and_alternatives
 from fastspec.methods.linear import LinearSS
 from fastspec.methods.recguide import aligned_bonus_guess, overlap_layout
@@ -110,12 +110,13 @@ class TiDAR(LinearSS):
     def begin(self, run) -> None:
         if run is not None:
             self.eos_ids = tuple(sorted(run.eos_ids))
-        self.seqs: dict = {}                # this run's requests (report() reads their counts)
-        self.seed_trials = 0                # rounds whose pre-draft a next round verified
-        self.seed_hits = 0                  # ... whose seed guess was the emitted token
+        if fresh_counts(run):
+            self.seqs: dict = {}            # this run's requests (report() reads their counts)
+            self.seed_trials = 0            # rounds whose pre-draft a next round verified
+            self.seed_hits = 0              # ... whose seed guess was the emitted token
 
     def block_for(self, seq) -> int:
-        self.seqs[seq.index] = seq
+        self.seqs[id(seq)] = seq            # (indices restart in each part of an interleaved run)
         return self.block
 
     def plans(self) -> list[Plan]:
