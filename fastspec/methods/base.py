@@ -67,7 +67,7 @@ class RunInfo:
 
 def fresh_counts(run: "RunInfo | None") -> bool:
     """Should begin() start the report's counts afresh? (No for a later part of a run.)"""
-    return run is None or not run.keep_counts
+    return not getattr(run, "keep_counts", False)       # (planners also get duck-typed run infos)
 
 
 class Method:
