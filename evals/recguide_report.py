@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 
+from rich.markup import escape
 from rich.table import Table
 
 INTERVALS = ((0.0, 1 / 3), (1 / 3, 2 / 3), (2 / 3, 1.01))
@@ -57,7 +58,7 @@ def print_tables(console, runs: list[dict], records, block: int | None = None) -
             t = transitions(records, name, own) if own else None
             if t is None:
                 continue
-            tab = Table(title=f"Table 1 — {name}: acceptance interval, round t → t+1")
+            tab = Table(title=f"Table 1 — {escape(name)}: acceptance interval, round t → t+1")
             tab.add_column("round t")
             for n in NAMES:
                 tab.add_column(n, justify="right")
@@ -75,7 +76,7 @@ def print_tables(console, runs: list[dict], records, block: int | None = None) -
             m = r["method_report"]
             sh = {int(k): v for k, v in m["width_share"].items()}
             gam = " ".join(f"{k}:{v:.0%}" for k, v in m["gamma_share"].items() if v >= 0.05)
-            tab.add_row(r["method"], str(r["concurrency"]), str(m["rows"]), str(m["rounds"]),
+            tab.add_row(escape(r["method"]), str(r["concurrency"]), str(m["rows"]), str(m["rounds"]),
                         f"{m['mean_gamma']:.2f}", gam, *(f"{sh.get(w, 0):.0%}" for w in widths))
         console.print(tab)
     if not reports:
@@ -87,7 +88,7 @@ def print_tables(console, runs: list[dict], records, block: int | None = None) -
     for r in reports:
         m = r["method_report"]
         n = max(m["rounds"], 1)
-        tab.add_row(r["method"], str(r["concurrency"]), str(m["rounds"]), f"{m['proposed'] / n:.2f}",
+        tab.add_row(escape(r["method"]), str(r["concurrency"]), str(m["rounds"]), f"{m['proposed'] / n:.2f}",
                     f"{m['laid_out'] / n:.2f}", f"{m['coverage']:.1%}", f"{m['reuse']:.1%}",
                     f"{m['no_hit']:.1%}", " ".join(f"{k}:{v}" for k, v in m["slots_chosen"].items()))
     console.print(tab)
@@ -99,9 +100,9 @@ def print_tables(console, runs: list[dict], records, block: int | None = None) -
         for r in checks:
             pc = r["method_report"]["profile_check"]
             for key, x in pc["steps"].items():
-                tab.add_row(r["method"], str(r["concurrency"]), key, f"{x['measured']:.1f}",
+                tab.add_row(escape(r["method"]), str(r["concurrency"]), key, f"{x['measured']:.1f}",
                             f"{x['profile']:.1f}", f"{x['error']:+.0%}")
-            tab.add_row(r["method"], str(r["concurrency"]), "mean |error|", "", "",
+            tab.add_row(escape(r["method"]), str(r["concurrency"]), "mean |error|", "", "",
                         f"{pc['mean_abs_error']:.0%}", end_section=True)
         console.print(tab)
     bounds = [r for r in reports if len(r["method_report"].get("gate_bound") or []) > 1]
@@ -113,7 +114,7 @@ def print_tables(console, runs: list[dict], records, block: int | None = None) -
         for r in bounds:
             rows = r["method_report"]["gate_bound"]
             for i, b in enumerate(rows):
-                tab.add_row(r["method"], str(r["concurrency"]), str(b["slots"]), f"{b['hit_rate']:.0%}",
+                tab.add_row(escape(r["method"]), str(r["concurrency"]), str(b["slots"]), f"{b['hit_rate']:.0%}",
                             f"{b['measured']:.2f}×", f"{b['profile']:.2f}×", end_section=i == len(rows) - 1)
         console.print(tab)
     shares = [r for r in reports if len(r["method_report"].get("block_share", {})) > 1]
@@ -126,7 +127,7 @@ def print_tables(console, runs: list[dict], records, block: int | None = None) -
             tab.add_column(f"B={b}", justify="right")
         for r in shares:
             sh = {int(k): v for k, v in r["method_report"]["block_share"].items()}
-            tab.add_row(r["method"], str(r["concurrency"]), *(f"{sh.get(b, 0):.0%}" for b in blocks))
+            tab.add_row(escape(r["method"]), str(r["concurrency"]), *(f"{sh.get(b, 0):.0%}" for b in blocks))
         console.print(tab)
     ladder = [r for r in runs if r["method"] != "ar"]
     if len(ladder) > 1:
@@ -148,7 +149,7 @@ def print_tables(console, runs: list[dict], records, block: int | None = None) -
                           f"{r['tokens_per_forward']:.2f}" if r else "—"]
                 if r:
                     tps.append(r["tokens_per_s"])
-            tab.add_row(name, *cells, f"{sum(tps) / max(len(tps), 1):.1f}")
+            tab.add_row(escape(name), *cells, f"{sum(tps) / max(len(tps), 1):.1f}")
         console.print(tab)
 
 

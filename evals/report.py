@@ -37,6 +37,7 @@ import os
 from collections import Counter
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fastspec.config import FastspecError
@@ -144,7 +145,7 @@ def paired_lines(m: dict) -> list[str]:
     for r in m["by_method"]:
         p = r.get("paired_speedup")
         if p:
-            out.append(f"paired per request vs AR, C={r['concurrency']}: {r['method']} {p['geomean']:.2f}× "
+            out.append(f"paired per request vs AR, C={r['concurrency']}: {escape(r['method'])} {p['geomean']:.2f}× "
                        f"(95% CI {p['ci95'][0]:.2f}–{p['ci95'][1]:.2f}, {p['requests']} requests)")
     return out
 
@@ -225,7 +226,7 @@ def _per_bench_table(m, c, title, caption, cell) -> Table:
             continue
         cells = [lookup(m, "by_bench", bench=b, method=meth, concurrency=c) for b in m["benches"]]
         cells.append(lookup(m, "macro", method=meth, concurrency=c))
-        t.add_row(meth, *("" if r is None else cell(r) for r in cells))
+        t.add_row(escape(meth), *("" if r is None else cell(r) for r in cells))
     return t
 
 
@@ -253,7 +254,7 @@ def figure5_table(m: dict) -> Table:
         t.add_column(col, justify="left" if col == "method" else "right")
     for meth in m["methods"]:
         for r in (r for r in m["by_method"] if r["method"] == meth):
-            t.add_row(meth, str(r["concurrency"]), _fmt(r["tokens_per_s"], ".1f"),
+            t.add_row(escape(meth), str(r["concurrency"]), _fmt(r["tokens_per_s"], ".1f"),
                       _fmt(r["per_request_tokens_per_s"], ".1f"), _fmt(r["speedup"], ".2f", "×"),
                       _fmt(r["tokens_per_forward"], ".2f"), _fmt(r["tau"], ".2f"))
     return t
@@ -288,7 +289,7 @@ def calibration_tables(runs: list[dict]) -> list[Table]:
                 m = cal["all"] if b == "all" else cal["by_bench"].get(b)
                 if m is None or (b == "all" and len(cal["by_bench"]) < 2):
                     continue
-                cells = [display_name(b), r["method"], str(m["positions"]), _fmt(m["accept_rate"], ".3f"),
+                cells = [display_name(b), escape(r["method"]), str(m["positions"]), _fmt(m["accept_rate"], ".3f"),
                          _fmt(m["mean_draft_prob"], ".3f"), _fmt(m["ece"], ".3f"),
                          _fmt(m.get("ece_floor"), ".3f")]
                 cells += [_fmt(m.get("ece_calibrated"), ".3f")] if calibrated else []

@@ -214,3 +214,20 @@ def test_paired_speedup_is_the_geometric_mean_of_per_request_ratios_with_an_inte
     assert abs(q["geomean"] - 1.3) < 1e-9 and abs(q["ci95"][0] - 1.3) < 1e-9 and abs(q["ci95"][1] - 1.3) < 1e-9
     assert paired_speedup([rec("0", 13.0)], ar) is None
     assert paired_speedup([rec("9", 13.0), rec("8", 13.0)], ar) is None      # no request in common
+
+
+def test_a_method_spec_in_brackets_is_shown_whole():
+    """`linear[block=4]` and `linear[block=16]` are different rows: rich must not read the
+    brackets as markup and print both as `linear`."""
+    from fastspec.evals.report import paired_lines
+    records, runs = synthetic()
+    spec = "linear[block=4]"
+    records = [dict(r, method=spec) if r["method"] == "linear" else r for r in records]
+    runs = [dict(r, method=spec) if r["method"] == "linear" else r for r in runs]
+    m = metrics(records, runs)
+    for table in (table2(m, 1), figure5_table(m), accuracy_table(m)):
+        assert spec in render(table)
+    console = Console(width=200, record=True)
+    for line in paired_lines(m):
+        console.print(line, highlight=False)      # markup lines: the spec comes out whole
+    assert f"{spec} " in console.export_text()
