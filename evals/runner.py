@@ -312,8 +312,7 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", dflash="a
         try:
             out, stats, warm, mr.draft_stats = _run_one(
                 eng, [prompt_ids[i] for i in part], [params[i] for i in part], mr.label + tag,
-                mr.method, mr.block, c, console, draft_stats=mr.draft_stats, index_base=len(mr.out),
-                keep_counts=not first)
+                mr.method, mr.block, c, console, draft_stats=mr.draft_stats, index_base=len(mr.out))
         except FastspecError as e:                   # the run as a whole failed: it is reported
             mr.errors.update({i: str(e) for i in mr.which})
             mr.failed, mr.out = True, []
@@ -421,10 +420,12 @@ def _calibration(engine, draft_stats, bench_of: list[str]) -> dict | None:
 
 
 def _run_one(engine, prompt_ids, params, label, method, block, concurrency, console,
-             draft_stats=None, index_base=0, keep_counts=False):
-    """One (method, C) run, or one part of it (keep_counts: a later part; draft_stats carries on,
-    its requests numbered from index_base): completions, the engine's stats, its warm-up seconds
-    and the rounds' draft statistics (evals.calibration.DraftStats, gathered as rounds commit)."""
+             draft_stats=None, index_base=0):
+    """One (method, C) run, or a later part of it (given the earlier parts' draft_stats, which
+    carries on with its requests numbered from index_base, and the method's report counts carry
+    on too): completions, the engine's stats, its warm-up seconds and the rounds' draft
+    statistics (evals.calibration.DraftStats, gathered as rounds commit)."""
+    later_part = draft_stats is not None
     from fastspec.evals.calibration import DraftStats
     total = sum(p.max_new_tokens for p in params)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
@@ -451,7 +452,7 @@ def _run_one(engine, prompt_ids, params, label, method, block, concurrency, cons
             draft_stats.resume(index_base)
         out = engine.generate(prompt_ids, params, method=method, block=block,
                               concurrency=concurrency, on_commit=draft_stats.chain(on_commit),
-                              keep_counts=keep_counts)
+                              keep_counts=later_part)
         progress.update(task, completed=total)
     # Compilation for new shapes happens before the timed loop; it is reported, not counted.
     return out, engine.last_stats, engine.warmup_s, draft_stats

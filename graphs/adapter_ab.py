@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -82,7 +81,7 @@ def main() -> None:
                       "yes" if r["identical"] else "NO")
     console.print(table)
     if a.json:
-        write_json(a.json, {"environment": {**environment(engines, a.model), "threads": torch.get_num_threads()},
+        write_json(a.json, {"environment": environment(engines, a.model),
                             "adapters": a.adapters, "suite": a.suite, "limit": a.limit,
                             "max_new_tokens": a.max_new_tokens, "block": a.block, "arms": rows})
         console.print(f"wrote {a.json}")
