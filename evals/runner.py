@@ -334,6 +334,15 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", dflash="a
             # One part per method (each method over every prompt in turn), or with --interleave
             # the methods take turns on each group of prompts, the order rotated group by group.
             size = max(interleave, c) if interleave else len(items)
+            runnable = {i for mr in runs_here for i in mr.which}
+            if interleave and runnable:
+                # One KV cache for every part: a part with a longer prompt or fewer requests
+                # than the first would otherwise get a new cache, and every step would rebuild.
+                try:
+                    eng.reserve(c, max(len(prompt_ids[i]) + params[i].max_new_tokens for i in runnable),
+                                [eng.method(mr.method, mr.block) for mr in runs_here])
+                except FastspecError:
+                    pass                             # a method that cannot run says so in its part
             groups = [set(range(j, min(j + size, len(items)))) for j in range(0, len(items), size)]
             for g, group in enumerate(groups):
                 order = runs_here[g % len(runs_here):] + runs_here[:g % len(runs_here)] if interleave else runs_here

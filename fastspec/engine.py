@@ -299,15 +299,8 @@ class Engine:
                 f"prompt plus --max-new-tokens needs {need_len} positions but the context is "
                 f"{self.max_context}: shorten the prompt or lower --max-new-tokens")
         method = method or get_method("ar")
-        # Headroom: a round writes up to max_width speculative K/V after the committed length.
-        # One column more than a round can reach: a round's context then always stays below
-        # the cache's length, so the compiled step never specializes on ctx == max_len.
-        max_len = -(-(need_len + method.max_width() + 1) // CTX_ALIGN) * CTX_ALIGN
-        num_slots = concurrency + 1
-        c = self.cache
-        if c is None or c.num_slots != num_slots or c.max_len < max_len:
-            self.cache = KVCache(self.cfg, num_slots, max_len, self.dtype, self.device)
-            self.ctx_cols = torch.arange(max_len, device=self.device)
+        self.reserve(concurrency, need_len, [method])
+        num_slots = self.cache.num_slots
         self.trash = num_slots - 1
         sampled = self.sampler is not None and self.sampler.mode != "greedy"
         self._carry_specs = method.carry_spec(self.cfg.vocab_size, sampled)
@@ -316,9 +309,29 @@ class Engine:
                       for name, spec in self._carry_specs.items()}
         # Shapes the step depends on: warm each combination once, before any timing starts.
         mode = self.sampler.mode if self.sampler is not None else "greedy"
-        key = (num_slots, self.cache.max_len, method.key_name(), id(method), mode)
+        key = (num_slots, self.cache.max_len, method.key_name(), id(method), mode,
+               batch_bucket(concurrency))
         self.warmup_s = 0.0 if key in self._warm else self.warm_up(method, concurrency)
         self._warm.add(key)
+
+    def reserve(self, concurrency: int, need_len: int, methods: Seq[Method]) -> None:
+        """A KV cache with room for `concurrency` requests (plus the trash slot padded rows
+        write into) of `need_len` positions each, under any of `methods`. A cache that is
+        already big enough is kept: a new one has new K/V shapes, and every compiled step then
+        builds again. `bench --interleave` reserves a run's largest need before its first part,
+        so a later part with a longer prompt or fewer requests reuses the steps it built."""
+        need_len = min(need_len, self.max_context)
+        # Headroom: a round writes up to max_width speculative K/V after the committed length.
+        # One column more than a round can reach: a round's context then always stays below
+        # the cache's length, so the compiled step never specializes on ctx == max_len.
+        width = max(m.max_width() for m in methods)
+        max_len = -(-(need_len + width + 1) // CTX_ALIGN) * CTX_ALIGN
+        c = self.cache
+        if c is None or c.num_slots < concurrency + 1 or c.max_len < max_len:
+            num_slots = max(concurrency + 1, c.num_slots if c is not None else 0)
+            max_len = max(max_len, c.max_len if c is not None else 0)
+            self.cache = KVCache(self.cfg, num_slots, max_len, self.dtype, self.device)
+            self.ctx_cols = torch.arange(max_len, device=self.device)
 
     def clear_slot(self, slot: int) -> None:
         """A slot between requests: nothing committed, no carried state."""
@@ -587,6 +600,8 @@ class Engine:
                            self.step_ms.setdefault(meth.key_name(), {}), self.forward_cost,
                            model=self.model, keep_counts=keep_counts))
         self.prepare(C, max(len(s.prompt_ids) + s.params.max_new_tokens for s in seqs), meth)
+        if self.cache.num_slots != C + 1:            # a cache reserved for more requests (reserve)
+            self.sampler = SamplerState(self.cache.num_slots, self.device, mode=self.sampler.mode)
         self.warmup_s += self.warm_prefill([len(s.prompt_ids) for s in seqs], meth)
         c = self.cache
         c.lengths.zero_()
@@ -600,7 +615,7 @@ class Engine:
             return time.perf_counter() - (self.runner.total_compile_s() - compile_s_before)
         stats = self.stats = RunStats(requests=len(seqs))
         sched = Scheduler(seqs, C)
-        self.pending = torch.zeros(C + 1, dtype=torch.long, device=self.device)   # seeds
+        self.pending = torch.zeros(self.cache.num_slots, dtype=torch.long, device=self.device)   # seeds
 
         def commit(seq: Sequence, tokens: list[int], n_drafted: int, tick: float) -> int:
             """Append what the request keeps (EOS and the token budget cut a round short);

@@ -178,6 +178,38 @@ def test_round_attends_over_the_live_prefix_and_compiles_once_for_every_context(
         assert eng.last_stats.lazy_compiles == 0 and eng.last_stats.recompiles == 0
 
 
+def test_a_run_in_parts_builds_each_step_once_on_the_cache_reserved_for_it():
+    """`bench --interleave` runs a method over groups of prompts in turn. A later group with a
+    longer prompt (or fewer requests) than the first would need a bigger (or smaller) cache,
+    and new K/V shapes rebuild every compiled step mid-run; reserving the run's largest need
+    first keeps one cache, so every step builds once and no part recompiles."""
+    from conftest import tiny_drafter
+    t = tiny_drafter()
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    parts = [[[5, 6, 7], [9, 8]], [list(range(3, 253)), [42] * 9], [[11, 12, 13]]]
+    eager = Engine(t, backend="eager")
+    want = [[x.token_ids for x in eager.generate(p, params, method="linear", block=4, concurrency=2)]
+            for p in parts]
+
+    unreserved = Engine(t, backend="compile", compiler="aot_eager")
+    unreserved.generate(parts[0], params, method="linear", block=4, concurrency=2)
+    first = unreserved.cache
+    unreserved.generate(parts[1], params, method="linear", block=4, concurrency=2)
+    assert unreserved.cache is not first                 # the longer prompt needed a new cache,
+    assert max(v["compiles"] for v in unreserved.runner.stats().values()) == 2   # and built again
+
+    eng = Engine(t, backend="compile", compiler="aot_eager")
+    meth = eng.method("linear", 4)
+    eng.reserve(2, 250 + 12, [meth, eng.method("ar")])
+    cache = eng.cache
+    for j, part in enumerate(parts):
+        got = eng.generate(part, params, method=meth, concurrency=2, keep_counts=j > 0)
+        assert [x.token_ids for x in got] == want[j]
+        assert eng.last_stats.recompiles == 0
+    assert eng.cache is cache
+    assert max(v["compiles"] for v in eng.runner.stats().values()) == 1
+
+
 def test_a_step_compiled_mid_run_counts_as_warm_up_not_as_request_time(tiny, monkeypatch):
     """A step built on first use (a new bucket as requests drain) is warm-up: it leaves the
     run's decode time AND every request's latency, so per-request tok/s stays a decode rate."""
