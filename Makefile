@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 bench: setup
-	$(VENV)/bin/fastspec bench --suite math --method ar,linear --limit $(LIMIT) --max-new-tokens 128 --json results/bench.json $(ARGS)
+	$(VENV)/bin/fastspec bench --suite math --method ar,linear --limit $(LIMIT) --max-new-tokens 128 --interleave 1 --json results/bench.json $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q $(ARGS)

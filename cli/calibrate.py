@@ -88,7 +88,9 @@ def calibrate(model, adapter, device, dtype, backend, drafter, train_data, n_pro
     t0 = time.perf_counter()
     obs = collect(engine, prompts, tuple(block_list), max_new_tokens, concurrency,
                   progress=lambda b, n: err_console.print(f"B={b} trajectory: {n} states so far"))
-    meta = {"model": engine.name, "prompts": len(prompts), "blocks": block_list,
+    adapter_dir = getattr(engine.loaded, "adapter_path", None)
+    meta = {"model": engine.name, "adapter": adapter_dir and os.path.relpath(adapter_dir),
+            "prompts": len(prompts), "blocks": block_list,
             "max_new_tokens": max_new_tokens, "observations": len(obs),
             "data": record, "seconds": round(time.perf_counter() - t0, 1), "command": command}
     tables = fit_tables(obs, block_list, meta=meta, bins=bins)

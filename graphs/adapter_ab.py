@@ -4,8 +4,11 @@ prompt by prompt), so a drifting machine's speed hits every arm alike; the separ
 `fastspec bench --adapter ...` runs it replaces differed by more than the adapters did.
 
     FASTSPEC_DATA=../shared/data/benchmarks python -m fastspec.graphs.adapter_ab \\
-        fastspec/adapters/smollm2-135m/draft fastspec/adapters/smollm2-135m/draft-mlp \\
+        fastspec/adapters/smollm2-135m/draft-attn fastspec/adapters/smollm2-135m/draft \\
         --suite math --limit 5 --max-new-tokens 128 --json results/adapter_pair_1203.json
+
+(results/adapter_pair_1203.json ran before the rename: its `draft` is today's `draft-attn`,
+its `draft-mlp` today's default `draft`.)
 
 Per arm: tok/s (all tokens over summed wall times), decode ms per round, τ, ratio to AR, and
 whether every request equalled AR token for token (greedy)."""
@@ -22,6 +25,7 @@ from fastspec.evals.runner import environment, load_items, prompt_token_ids
 from fastspec.files import write_json
 from fastspec.model.loader import load_model
 from fastspec.sampling import SamplingParams
+from fastspec.weights import apply_weight_precision
 
 
 def main() -> None:
@@ -32,13 +36,17 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=5, help="prompts per benchmark")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--block", type=int, default=8)
+    ap.add_argument("--weights", default="fp32", choices=("fp32", "bf16", "int8"),
+                    help="precision of the big linear weights (as bench --weights)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     console = Console()
     items = load_items(a.suite, None, None, a.limit, os.environ.get("FASTSPEC_DATA"), a.max_new_tokens, console)
     arms, engines = {}, []
     for adapter in a.adapters:
-        eng = Engine(load_model(a.model, adapter=adapter, dflash=None), backend="auto")
+        loaded = load_model(a.model, adapter=adapter, dflash=None)
+        apply_weight_precision(loaded.model, a.weights)
+        eng = Engine(loaded, backend="auto")
         engines.append(eng)
         if not arms:
             arms["ar"] = (eng, "ar")

@@ -375,3 +375,23 @@ def test_calibrate_drafter_writes_calibration_json_beside_the_adapter(tmp_path, 
     cal = json.loads(out.read_text())["runs"][0]["calibration"]
     assert cal["calibrated"] is True and cal["temperature"] == saved["temperature"]
     assert cal["all"]["ece_calibrated"] is not None
+
+
+def test_calibrate_fits_survival_tables_and_names_the_adapter_they_were_fit_with(tmp_path, adapter_dir):
+    """RecGuide's tables hold for the drafter that produced the traces: the file says which
+    adapter that was, beside the command that reruns it."""
+    import json
+    import os
+    from fastspec.survival import SurvivalTables
+    train = tmp_path / "train.jsonl"
+    train.write_text("\n".join(json.dumps({"prompt": f"request number {i}"}) for i in range(4)))
+    out = tmp_path / "tables.json"
+    text = cli("calibrate", "--model", "tiny-random", "--adapter", adapter_dir, "--backend", "eager",
+               "--train-data", str(train), "--prompts", "2", "--max-new-tokens", "12",
+               "--blocks", "4,8", "--out", str(out))
+    assert "observations from 2 prompts" in text
+    saved = json.loads(out.read_text())
+    assert saved["meta"]["adapter"] == os.path.relpath(adapter_dir)
+    assert saved["meta"]["command"].split()[:2] == ["fastspec", "calibrate"]
+    tables = SurvivalTables.load(str(out))
+    assert tables.blocks == (4, 8) and 0 < tables.value(8, 0.5, "*") <= 8
