@@ -334,8 +334,8 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", dflash="a
             # One part per method (each method over every prompt in turn), or with --interleave
             # the methods take turns on each group of prompts, the order rotated group by group.
             size = max(interleave, c) if interleave else len(items)
-            runnable = {i for mr in runs_here for i in mr.which}
-            if interleave and runnable:
+            runnable = {i for mr in runs_here for i in mr.which} if interleave else set()
+            if runnable:
                 # One KV cache for every part: a part with a longer prompt or fewer requests
                 # than the first would otherwise get a new cache, and every step would rebuild.
                 try:

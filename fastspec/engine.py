@@ -302,6 +302,10 @@ class Engine:
         self.reserve(concurrency, need_len, [method])
         num_slots = self.cache.num_slots
         self.trash = num_slots - 1
+        # Every per-slot buffer has the cache's slots (more than concurrency + 1 in a cache
+        # reserved for a larger run).
+        if self.sampler is not None and self.sampler.counter.shape[0] != num_slots:
+            self.sampler = SamplerState(num_slots, self.device, mode=self.sampler.mode)
         sampled = self.sampler is not None and self.sampler.mode != "greedy"
         self._carry_specs = method.carry_spec(self.cfg.vocab_size, sampled)
         self.carry = {name: torch.full((num_slots, *spec.shape), spec.fill, dtype=spec.dtype,
@@ -600,8 +604,6 @@ class Engine:
                            self.step_ms.setdefault(meth.key_name(), {}), self.forward_cost,
                            model=self.model, keep_counts=keep_counts))
         self.prepare(C, max(len(s.prompt_ids) + s.params.max_new_tokens for s in seqs), meth)
-        if self.cache.num_slots != C + 1:            # a cache reserved for more requests (reserve)
-            self.sampler = SamplerState(self.cache.num_slots, self.device, mode=self.sampler.mode)
         self.warmup_s += self.warm_prefill([len(s.prompt_ids) for s in seqs], meth)
         c = self.cache
         c.lengths.zero_()
