@@ -27,7 +27,8 @@ from fastspec.config import FastspecError, parse_int_list
               help="Comma-separated committed context lengths.")
 @click.option("--reps", type=int, default=10, show_default=True, help="Timed forwards per point (median).")
 @click.option("--out", "out", type=click.Path(dir_okay=False), default=None,
-              help="Profile JSON (default profiles/<device>-<model>.json).")
+              help="Profile JSON (default profiles/<device>-<model>[-<kernel>][-<weights>].json, "
+                   "the name the planners look up).")
 @click.option("--png", "png", type=click.Path(dir_okay=False), default=None,
               help="Heatmap PNG (default: the JSON path with .png).")
 @click.option("--trace", "trace", type=click.Path(dir_okay=False), default=None,
@@ -44,8 +45,8 @@ def profile(model, device, dtype, weights, backend, batches, blocks, layouts, co
       fastspec profile --batch 1,4 --block 1,8,16 --context 256
     """
     from fastspec.cli.common import console, err_console
-    from fastspec.graphs.profile import (LAYOUTS, default_path, device_name, fit_summary, ran_backend,
-                                         render_table, run_environment, run_profile, write_heatmap)
+    from fastspec.graphs.profile import (LAYOUTS, default_path, device_name, fit_summary, kernel_ran,
+                                         ran_backend, render_table, run_environment, run_profile, write_heatmap)
     from fastspec.graphs.runner import StepRunner
     from fastspec.files import check_writable
     from fastspec.model.loader import load_model, resolve_device
@@ -74,7 +75,7 @@ def profile(model, device, dtype, weights, backend, batches, blocks, layouts, co
     console.print(f"[dim]{model} on {env['device']}, {env['dtype']}, backend {env['backend']}, "
                   f"weights {env['weights']}, kernel {env['kernel']}{', ' + env['prefetch'] if env.get('prefetch') else ''} (CPU ISA {env['isa']})[/]",
                   highlight=False)
-    out = out or default_path(device_name(device), loaded.name)
+    out = out or default_path(device_name(device), loaded.name, kernel_ran(env), weights)
     png = png or os.path.splitext(out)[0] + ".png"
     total = len(batch_list) * len(block_list) * len(layout_list) * len(ctx_list)
     done = [0]

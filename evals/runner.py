@@ -185,6 +185,7 @@ def environment(engines, model: str) -> dict:
             "model": model, "commit": commit,
             "adapter": getattr(first.loaded, "adapter_path", None),
             "dflash": getattr(getattr(first.model, "dflash", None), "source_path", None),
+            "cost_model": first.forward_cost.describe(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
@@ -257,6 +258,8 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", dflash="a
     if interleave:
         console.print(f"[dim]interleaved: the methods take turns on groups of max({interleave}, C) prompts[/]",
                       highlight=False)
+    # What LibraSpec, BASTION and RecGuide price forwards with (graphs/profile.ForwardCost).
+    console.print(f"[dim]cost model of the planners: {env['cost_model']}[/]", highlight=False)
     prompt_ids = prompt_token_ids(engine, items)
     records: list[Record] = []
     runs: list[dict] = []

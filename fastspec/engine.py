@@ -261,7 +261,13 @@ class Engine:
         """T(rows, tokens) ms of one forward: the device profile's, or a nominal roofline."""
         if self._forward_cost is None:
             from fastspec.graphs.profile import ForwardCost
-            self._forward_cost = ForwardCost.for_model(self.cfg, str(self.device), self.name)
+            from fastspec.weights import weight_precision
+            kernel = None                 # the skinny-GEMM path compiled CPU steps take, if any
+            if self.device.type == "cpu" and self.runner.resolved == "compile" and self.dtype == torch.float32:
+                from fastspec.graphs import kernels
+                kernel = kernels.kernel_path() if kernels.active() is not None else None
+            self._forward_cost = ForwardCost.for_model(self.cfg, str(self.device), self.name, kernel,
+                                                       weight_precision(self.model))
         return self._forward_cost
 
     @property

@@ -147,9 +147,18 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", text).strip("-") or "device"
 
 
-def default_path(device: str, model: str) -> str:
-    """profiles/<device>-<model>.json."""
-    return os.path.join("profiles", f"{slug(device)}-{slug(os.path.basename(model.rstrip('/')))}.json")
+def default_path(device: str, model: str, kernel: str | None = None, weights: str = "fp32") -> str:
+    """profiles/<device>-<model>[-<kernel>][-<weights>].json: one CPU model name covers machines
+    with different kernels (an AMD EPYC is Zen 3 with AVX2 or Zen 4 with AVX-512), and the weight
+    precision changes the cost's shape (Zen 4, 2 cores: T(8)/T(1) 1.37 at fp32, 1.95 at int8,
+    where 8 rows are FMA-bound), so a profile names both; the planners look it up by the same
+    name (ForwardCost.for_model). No kernel (a GPU) and fp32 weights add nothing."""
+    name = f"{slug(device)}-{slug(os.path.basename(model.rstrip('/')))}"
+    if kernel and kernel not in ("none", ""):
+        name += f"-{slug(kernel)}"
+    if weights != "fp32":
+        name += f"-{weights}"
+    return os.path.join("profiles", name + ".json")
 
 
 # --- the profile ------------------------------------------------------------------------------
@@ -400,7 +409,12 @@ def run_profile(loaded, batches: Iterable[int] = (1, 4), blocks: Iterable[int] =
     meta["microbench"] = {"gemm_n": gemm_n, "bandwidth_mib": bandwidth_mib}
     fwd = runner_forward(model, backend, compiler)
     ran = ran_backend(fwd.runner, device)
+    # Bytes a step streams per weight: the big linears' precision (fastspec/weights.py) on the
+    # CPU kernel, else the parameters' dtype.
+    from fastspec.weights import BYTES, weight_precision
     bpp = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
+    if kernel_ran(environment or {}):
+        bpp = BYTES[weight_precision(model)]
     points, shapes = [], []
 
     def assemble() -> Profile:
@@ -530,30 +544,79 @@ def write_heatmap(prof: Profile, path: str) -> str:
 
 
 # --- the cost model the schedulers read -------------------------------------------------------
+def kernel_ran(env: dict) -> str | None:
+    """The skinny-GEMM path a run's compiled CPU steps took (run_environment's record), or None:
+    eager steps, a GPU, or inductor's fallback GEMMs."""
+    kernel = env.get("kernel") or ""
+    return kernel if kernel.startswith("skinny-") and env.get("backend") == "compile" else None
+
+
+def _matches(prof: "Profile", kernel: str | None, weights: str) -> bool:
+    """An unqualified profile serves a run when what it records (meta["environment"]: kernel,
+    weights) is what runs; one that records nothing was measured at fp32 weights."""
+    env = prof.meta.get("environment") or {}
+    if env.get("weights", "fp32") != weights:
+        return False
+    return kernel is None or "kernel" not in env or kernel_ran(env) == kernel
+
+
 class ForwardCost:
     """T(rows, tokens): ms of one forward of `rows` rows × `tokens` new tokens at a typical
     context, as the planners of LibraSpec, BASTION and RecGuide read it.
 
     From the device's profile when one exists (`fastspec profile`; the repo's shipped profiles/
     are found from any cwd), else the roofline with nominal constants for this model's shape
-    (source "default": the right shape of the curve, not this machine's numbers)."""
+    (source "default": the right shape of the curve, not this machine's numbers).
+    `path`: the profile file read, if any (a run's environment names it)."""
 
-    def __init__(self, cfg: ModelConfig, profile: "Profile | None" = None, ctx: int = 512):
-        self.cfg, self.profile, self.ctx = cfg, profile, ctx
+    def __init__(self, cfg: ModelConfig, profile: "Profile | None" = None, ctx: int = 512,
+                 path: str | None = None, bytes_per_param: int = 4):
+        self.cfg, self.profile, self.ctx, self.path = cfg, profile, ctx, path
         self.source = "profile" if profile is not None and profile.roofline is not None else "default"
+        self.bytes_per_param = bytes_per_param
+        self.note = ""                  # set when the profile is another kernel's or precision's
         self._memo: dict[tuple[int, int], float] = {}
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, device: str, model_name: str) -> "ForwardCost":
-        name = os.path.basename(default_path(device_name(device), model_name))
-        shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiles", name)
-        for path in (os.path.join("profiles", name), shipped):
-            if os.path.isfile(path):
-                try:
-                    return cls(cfg, Profile.load(path))
-                except FastspecError:
-                    break
-        return cls(cfg)
+    def for_model(cls, cfg: ModelConfig, device: str, model_name: str, kernel: str | None = None,
+                  weights: str = "fp32") -> "ForwardCost":
+        """The profile of this device, kernel path and weight precision: the file
+        `fastspec profile` writes for them, else the device's unqualified profile when it does
+        not record another kernel or precision (profiles written before names carried them were
+        all fp32). Else, approximately, this device's profile of another kernel or precision (its
+        shape is off: Zen 4's T(8)/T(1) is 1.20 at fp32 and 1.84 at int8; `describe` says so),
+        else the nominal roofline."""
+        from fastspec.weights import BYTES
+        dev = device_name(device)
+        own = os.path.basename(default_path(dev, model_name, kernel, weights))
+        legacy = os.path.basename(default_path(dev, model_name))
+        shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiles")
+        found: list[tuple[str, str, Profile]] = []
+        for name in dict.fromkeys((own, legacy, os.path.basename(default_path(dev, model_name, kernel)))):
+            for path in (os.path.join("profiles", name), os.path.join(shipped, name)):
+                if os.path.isfile(path):
+                    try:
+                        found.append((name, path, Profile.load(path)))
+                    except FastspecError:
+                        continue
+        for name, path, prof in found:
+            if name == own or (name == legacy and _matches(prof, kernel, weights)):
+                return cls(cfg, prof, path=path)
+        if found:
+            name, path, prof = found[0]
+            env = prof.meta.get("environment") or {}
+            cost = cls(cfg, prof, path=path)
+            cost.note = (f"measured with {kernel_ran(env) or env.get('kernel', 'its kernel')}, "
+                         f"{env.get('weights', 'fp32')} weights; this run: {kernel or 'no kernel'}, "
+                         f"{weights} (`fastspec profile --weights {weights}` measures its own)")
+            return cost
+        return cls(cfg, bytes_per_param=BYTES.get(weights, 4))
+
+    def describe(self) -> str:
+        """What the planners' T(rows, tokens) comes from, in a few words."""
+        if not self.path:
+            return "nominal roofline (no profile for this machine)"
+        return f"profile {self.path}" + (f" ({self.note})" if self.note else "")
 
     def __call__(self, rows: int, tokens: int) -> float:
         key = (rows, tokens)
@@ -563,6 +626,6 @@ class ForwardCost:
             else:
                 # Nominal 2-core CPU: 50 GFLOP/s, 20 GB/s, 1 ms fixed cost per forward.
                 ms = 1e3 * max(forward_flops(self.cfg, rows, tokens, self.ctx) / 50e9,
-                               forward_bytes(self.cfg, rows, tokens, self.ctx) / 20e9) + 1.0
+                               forward_bytes(self.cfg, rows, tokens, self.ctx, self.bytes_per_param) / 20e9) + 1.0
             self._memo[key] = float(ms)
         return self._memo[key]

@@ -77,6 +77,42 @@ def test_default_path_names_device_and_model():
     assert default_path("cpu AMD EPYC (2 threads)", "smollm2-135m") == os.path.join(
         "profiles", "cpu-amd-epyc-smollm2-135m.json")
     assert slug("NVIDIA H200") == "nvidia-h200"
+    # One CPU name covers Zen 3 (AVX2) and Zen 4 (AVX-512); int8 weights change the cost's shape.
+    assert default_path("cpu AMD EPYC (2 threads)", "smollm2-135m", "skinny-avx512", "int8") == os.path.join(
+        "profiles", "cpu-amd-epyc-smollm2-135m-skinny-avx512-int8.json")
+
+
+def test_planners_read_the_profile_of_their_kernel_and_weight_precision(tmp_path, monkeypatch):
+    """The profile measured with the run's kernel and weights; else the device's unqualified
+    profile if it records the same (or nothing: those were fp32); else, saying so, the device's
+    profile of another precision; else the nominal roofline, streaming the run's weight bytes."""
+    import fastspec.graphs.profile as gp
+    monkeypatch.setattr(gp, "device_name", lambda device="cpu": "cpu Test CPU (2 threads)")
+    monkeypatch.chdir(tmp_path)
+    dev, cfg = "cpu Test CPU (2 threads)", synthetic_profile().cfg
+    cost = lambda kernel, weights: gp.ForwardCost.for_model(cfg, "cpu", "synthetic", kernel, weights)  # noqa: E731
+    nominal = cost("skinny-avx2", "bf16")
+    assert nominal.path is None and nominal.source == "default" and "no profile" in nominal.describe()
+    assert nominal(1, 1) < gp.ForwardCost(cfg)(1, 1)                     # half the weight bytes
+    legacy = synthetic_profile()
+    legacy.save(default_path(dev, "synthetic"))
+    int8 = synthetic_profile()
+    int8.meta["environment"] = {"kernel": "skinny-avx2", "weights": "int8", "backend": "compile"}
+    int8.save(default_path(dev, "synthetic", "skinny-avx2", "int8"))
+    assert cost("skinny-avx2", "int8").path == default_path(dev, "synthetic", "skinny-avx2", "int8")
+    exact = cost("skinny-avx2", "fp32")                 # records nothing: an fp32 profile
+    assert exact.path == default_path(dev, "synthetic") and exact.note == ""
+    assert cost(None, "fp32").path == default_path(dev, "synthetic")
+    other = cost("skinny-avx2", "bf16")                  # no bf16 profile: the fp32 one, said
+    assert other.path == default_path(dev, "synthetic") and "fp32 weights" in other.describe()
+    assert "--weights bf16" in other.describe()
+    # An unqualified profile that records another precision is this run's only approximately.
+    legacy.meta["environment"] = {"kernel": "skinny-avx512", "weights": "int8", "backend": "compile"}
+    legacy.save(default_path(dev, "synthetic"))
+    assert cost("skinny-avx512", "fp32").note and "int8 weights" in cost("skinny-avx512", "fp32").describe()
+    assert cost("skinny-avx512", "int8").path == default_path(dev, "synthetic")
+    assert cost("skinny-avx512", "int8").note == ""
+    assert cost("skinny-avx2", "int8").path == default_path(dev, "synthetic", "skinny-avx2", "int8")
 
 
 def test_tiny_profile_run_writes_json_and_png(tmp_path):
