@@ -150,8 +150,8 @@ def slug(text: str) -> str:
 def default_path(device: str, model: str, kernel: str | None = None, weights: str = "fp32") -> str:
     """profiles/<device>-<model>[-<kernel>][-<weights>].json: one CPU model name covers machines
     with different kernels (an AMD EPYC is Zen 3 with AVX2 or Zen 4 with AVX-512), and the weight
-    precision changes the cost's shape (Zen 4, 2 cores: T(8)/T(1) 1.37 at fp32, 1.95 at int8,
-    where 8 rows are FMA-bound), so a profile names both; the planners look it up by the same
+    precision changes the cost's shape (Zen 4, 2 cores: T(8)/T(1) 1.18 at fp32, 1.84 at int8,
+    where 8 rows are compute-bound), so a profile names both; the planners look it up by the same
     name (ForwardCost.for_model). No kernel (a GPU) and fp32 weights add nothing."""
     name = f"{slug(device)}-{slug(os.path.basename(model.rstrip('/')))}"
     if kernel and kernel not in ("none", ""):
@@ -584,15 +584,17 @@ class ForwardCost:
         `fastspec profile` writes for them, else the device's unqualified profile when it does
         not record another kernel or precision (profiles written before names carried them were
         all fp32). Else, approximately, this device's profile of another kernel or precision (its
-        shape is off: Zen 4's T(8)/T(1) is 1.20 at fp32 and 1.84 at int8; `describe` says so),
-        else the nominal roofline."""
+        shape is off: Zen 4's T(8)/T(1) is 1.18 at fp32 and 1.84 at int8; `describe` says so; the
+        same kernel's fp32 profile first), else the nominal roofline.
+        """
         from fastspec.weights import BYTES
         dev = device_name(device)
         own = os.path.basename(default_path(dev, model_name, kernel, weights))
         legacy = os.path.basename(default_path(dev, model_name))
         shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiles")
+        same_kernel = os.path.basename(default_path(dev, model_name, kernel))
         found: list[tuple[str, str, Profile]] = []
-        for name in dict.fromkeys((own, legacy, os.path.basename(default_path(dev, model_name, kernel)))):
+        for name in dict.fromkeys((own, legacy, same_kernel)):
             for path in (os.path.join("profiles", name), os.path.join(shipped, name)):
                 if os.path.isfile(path):
                     try:
@@ -603,12 +605,13 @@ class ForwardCost:
             if name == own or (name == legacy and _matches(prof, kernel, weights)):
                 return cls(cfg, prof, path=path)
         if found:
-            name, path, prof = found[0]
+            name, path, prof = min(found, key=lambda f: f[0] != same_kernel)
             env = prof.meta.get("environment") or {}
+            ran = kernel_ran(env) if "kernel" in env else None
             cost = cls(cfg, prof, path=path)
-            cost.note = (f"measured with {kernel_ran(env) or env.get('kernel', 'its kernel')}, "
-                         f"{env.get('weights', 'fp32')} weights; this run: {kernel or 'no kernel'}, "
-                         f"{weights} (`fastspec profile --weights {weights}` measures its own)")
+            cost.note = (f"measured at {env.get('weights', 'fp32')} weights{f' with {ran}' if ran else ''}; "
+                         f"this run: {weights}{f' with {kernel}' if kernel else ''} "
+                         f"(`fastspec profile --weights {weights}` measures its own)")
             return cost
         return cls(cfg, bytes_per_param=BYTES.get(weights, 4))
 

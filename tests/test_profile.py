@@ -106,6 +106,13 @@ def test_planners_read_the_profile_of_their_kernel_and_weight_precision(tmp_path
     other = cost("skinny-avx2", "bf16")                  # no bf16 profile: the fp32 one, said
     assert other.path == default_path(dev, "synthetic") and "fp32 weights" in other.describe()
     assert "--weights bf16" in other.describe()
+    avx2 = synthetic_profile()                           # the same kernel's fp32 profile comes first
+    avx2.meta["environment"] = {"kernel": "skinny-avx2", "weights": "fp32", "backend": "compile"}
+    avx2.save(default_path(dev, "synthetic", "skinny-avx2"))
+    assert cost("skinny-avx2", "bf16").path == default_path(dev, "synthetic", "skinny-avx2")
+    assert "fp32 weights with skinny-avx2" in cost("skinny-avx2", "bf16").describe()
+    assert cost("skinny-avx2", "fp32").note == ""
+    os.remove(default_path(dev, "synthetic", "skinny-avx2"))
     # An unqualified profile that records another precision is this run's only approximately.
     legacy.meta["environment"] = {"kernel": "skinny-avx512", "weights": "int8", "backend": "compile"}
     legacy.save(default_path(dev, "synthetic"))
