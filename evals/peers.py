@@ -128,9 +128,16 @@ def check_peers(names) -> None:
     if unknown:
         raise FastspecError(f"unknown peer {unknown[0]!r} (choose from {', '.join(PEERS)})")
     if "llama.cpp" in names:
+        import importlib
         import importlib.util
         if importlib.util.find_spec("llama_cpp") is None:
             raise FastspecError(LLAMACPP_MISSING)
+        try:        # installed with --no-deps, or its shared library built for another CPU
+            importlib.import_module("llama_cpp")
+        except Exception as e:  # noqa: BLE001 - whatever breaks the import, one line
+            raise FastspecError(f"peer llama.cpp: llama-cpp-python is installed but does not import "
+                                f"({type(e).__name__}: {e}); reinstall it with its dependencies: "
+                                f"pip install 'fastspec[llamacpp]'") from None
 
 
 LLAMACPP_CRASHED = (

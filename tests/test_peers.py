@@ -102,6 +102,28 @@ def test_a_missing_llama_cpp_is_one_line_before_anything_runs(monkeypatch, tmp_p
         assert len(lines) == 1 and "needs llama-cpp-python: pip install 'fastspec[llamacpp]'" in lines[0]
 
 
+def test_a_llama_cpp_that_does_not_import_is_one_line(monkeypatch):
+    """Installed but broken (e.g. with --no-deps: no `diskcache`): one line naming the import
+    error and how to reinstall, not a traceback from deep in the run."""
+    import importlib
+    import importlib.util
+
+    from fastspec.config import FastspecError
+    from fastspec.evals.peers import check_peers
+    real_spec, real_import = importlib.util.find_spec, importlib.import_module
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "llama_cpp" else real_spec(name, *a))
+
+    def broken(name, *a):
+        if name == "llama_cpp":
+            raise ModuleNotFoundError("No module named 'diskcache'")
+        return real_import(name, *a)
+    monkeypatch.setattr(importlib, "import_module", broken)
+    with pytest.raises(FastspecError, match="does not import .ModuleNotFoundError: No module named 'diskcache'.*"
+                                            "fastspec\\[llamacpp\\]"):
+        check_peers(["llama.cpp"])
+
+
 def test_llama_cpp_greedy_equals_fastspec_ar_on_the_same_weights(loaded):
     """llama.cpp on a GGUF of the engine's fp32 weights decodes the engine's AR tokens."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional extra")
