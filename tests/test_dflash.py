@@ -457,6 +457,21 @@ def test_training_reduces_the_loss_and_saves_a_loadable_drafter(tmp_path):
     assert torch.allclose(drafter_block_logits(loaded, t.model, block, 9, ctx), want, atol=1e-5)
 
 
+def test_bf16_training_learns_and_keeps_the_drafter_fp32(tmp_path):
+    """--precision bf16 trains the DFlash drafter under bf16 autocast; its weights stay fp32."""
+    t = tiny_target(vocab=64)
+    cfg = DFlashTrainConfig(draft_layers=1, target_layers=(0, 1), block=4, mask_token_id=MASK,
+                            blocks_per_seq=4, seqs_per_step=2, lr=3e-3, warmup_steps=1, max_steps=40,
+                            precision="bf16")
+    trainer = DFlashTrainer(t.model, random_examples(), cfg, out_dir=tmp_path / "dflash")
+    batch = make_dflash_batch(trainer.examples[:2], torch.tensor([[5, 9, 14, 20], [6, 7, 18, 25]]))
+    first = trainer.train_step(batch)["loss"]
+    for _ in range(24):
+        last = trainer.train_step(batch)["loss"]
+    assert last < 0.7 * first, (first, last)
+    assert all(p.dtype == torch.float32 for p in trainer.drafter.parameters())
+
+
 # --- LibraSpec, D²SD and BASTION on the DFlash drafter -------------------------------------------
 def dflash_drafted(name, W=1024):
     """LibraSpec / D²SD / BASTION drafting with the model's DFlash drafter (bound at run start)."""

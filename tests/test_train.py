@@ -547,3 +547,42 @@ def test_train_drafter_nld_convention_writes_its_convention(tmp_path, monkeypatc
     load_adapter(m, str(out))
     assert m.draft_convention == want
 
+
+
+def test_bf16_autocast_training_tracks_fp32_and_keeps_fp32_weights(distilled):
+    """--precision bf16 computes under bf16 autocast: the first step's loss agrees with fp32 to
+    bf16 rounding, the trained parameters, gradients and optimizer state stay fp32, and a fixed
+    batch is still learned."""
+    examples, _, _ = distilled
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        loaded = tiny_loaded()
+        tr = DraftTrainer(loaded.model, examples, small_cfg(seqs_per_step=4, lr=2e-2, precision=precision))
+        batch = tr.sample_batch()
+        rows = [tr.train_step(batch) for _ in range(12)]
+        assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in tr.params)
+        assert all(s["exp_avg"].dtype == torch.float32 for s in tr.opt.state.values())
+        runs[precision] = rows
+    fp32, bf16 = runs["fp32"], runs["bf16"]
+    assert bf16[0]["loss"] == pytest.approx(fp32[0]["loss"], rel=0.03)
+    assert bf16[0]["loss"] != fp32[0]["loss"]                       # it did run in bf16
+    assert bf16[-1]["loss"] < 0.6 * bf16[0]["loss"]
+    with pytest.raises(Exception, match="--precision"):
+        small_cfg(precision="fp16")
+
+
+@pytest.mark.parametrize("kind", ["lora", "dflash"])
+def test_the_written_command_keeps_the_precision(kind):
+    """A bf16 run's recorded command says --precision bf16 and parses back to the same config."""
+    import shlex
+
+    from fastspec.cli.train import dflash_command, dflash_config, full_command, train_config, train_drafter
+    build, spell = (train_config, full_command) if kind == "lora" else (dflash_config, dflash_command)
+    argv = ["--kind", kind, "--out", "x", "--precision", "bf16", "--max-steps", "3"]
+    params = train_drafter.make_context("train-drafter", argv).params
+    cfg = build(params)
+    assert cfg.precision == "bf16"
+    command = spell(params, cfg)
+    assert "--precision bf16" in command
+    again = build(train_drafter.make_context("train-drafter", shlex.split(command)[2:]).params)
+    assert again == cfg

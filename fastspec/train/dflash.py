@@ -45,7 +45,7 @@ from fastspec.layout import cache_mask, causal_block
 from fastspec.model.dflash import (DFlashDrafter, default_target_layer_ids, drafter_config_for,
                                    save_dflash)
 from fastspec.train.data import Example
-from fastspec.train.trainer import TrainLoop
+from fastspec.train.trainer import PRECISIONS, TrainLoop
 
 CHECKPOINT_FILE = "dflash_checkpoint.safetensors"
 LOG_FILE = "train_log.jsonl"
@@ -68,6 +68,7 @@ class DFlashTrainConfig:
     max_steps: int | None = None
     kl_weight: float = 0.5
     pos_decay: float = 0.85
+    precision: str = "fp32"          # fp32, or bf16 autocast (see TrainConfig.precision)
     seed: int = 0
     log_every: int = 5
     ckpt_every_s: float = 300.0
@@ -83,7 +84,9 @@ class DFlashTrainConfig:
                   (0 <= self.kl_weight <= 1, "--kl-weight must be in [0, 1]"),
                   (0 < self.pos_decay <= 1, "--pos-decay must be in (0, 1]"),
                   (self.target_layers is None or len(self.target_layers) >= 1,
-                   "--target-layers names no layer")]
+                   "--target-layers names no layer"),
+                  (self.precision in PRECISIONS,
+                   f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")]
         for ok, msg in checks:
             if not ok:
                 raise FastspecError(msg)

@@ -62,6 +62,7 @@ CHECKPOINT_FILE = "checkpoint.safetensors"
 CHECKPOINT_JSON = "checkpoint.json"       # a readable copy of the scalars (the file's metadata)
 LOG_FILE = "train_log.jsonl"
 BLOCK_SIZES = (4, 8, 16, 32)              # what LinearSS may run with
+PRECISIONS = ("fp32", "bf16")             # training compute precision (weights stay fp32)
 
 
 def parse_block_mix(spec: str) -> tuple[tuple[int, ...], tuple[float, ...]]:
@@ -99,6 +100,7 @@ class TrainConfig:
     partial_prob: float = 0.2       # chance a block is partially masked instead of all-MASK
     max_keep: float = 0.5           # partially masked blocks keep each token with p ~ U(0, max_keep)
     seedless_prob: float = 0.0      # chance a block is TiDAR's seedless pre-draft (seed slot masked)
+    precision: str = "fp32"         # fp32, or bf16: forward/backward under bf16 autocast, fp32 weights
     seed: int = 0
     log_every: int = 5
     ckpt_every_s: float = 300.0
@@ -124,7 +126,9 @@ class TrainConfig:
                   (0 <= self.kl_weight <= 1, "--kl-weight must be in [0, 1]"),
                   (0 < self.pos_decay <= 1, "--pos-decay must be in (0, 1]"),
                   (0 <= self.partial_prob <= 1, "--partial-prob must be in [0, 1]"),
-                  (0 <= self.seedless_prob <= 1, "--seedless must be in [0, 1]")]
+                  (0 <= self.seedless_prob <= 1, "--seedless must be in [0, 1]"),
+                  (self.precision in PRECISIONS,
+                   f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")]
         for ok, msg in checks:
             if not ok:
                 raise FastspecError(msg)
@@ -420,7 +424,11 @@ class TrainLoop:
         lr = self.lr_at(self.step, self.elapsed_s)
         for group in self.opt.param_groups:
             group["lr"] = lr
-        loss, metrics = self.loss(batch)
+        # bf16 autocast: matmuls (forward and backward) in bf16, the trained parameters, their
+        # gradients and the optimizer state stay fp32; the losses are taken in fp32 (`.float()`).
+        dev = self.params[0].device.type
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16"):
+            loss, metrics = self.loss(batch)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
