@@ -136,8 +136,8 @@ DEFAULT_BLOCKS = "4:0.2,8:0.3,16:0.25,32:0.25"
               show_default=True, help="Engine backend that generates the targets (same tokens).")
 @click.option("--precision", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
               help="Training compute: bf16 runs forward and backward under bf16 autocast (weights, "
-                   "gradients and optimizer state stay fp32); ~2x faster on CPUs with native bf16 "
-                   "(AVX512-BF16, AMX), slower elsewhere.")
+                   "gradients and optimizer state stay fp32); faster on CPUs with native bf16 "
+                   "(AVX512-BF16, AMX: 1.35x a step on Zen 4), slower elsewhere.")
 @click.option("--threads", type=int, default=None, help="torch CPU threads [default: torch's].")
 @click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda[:N].")
 @click.option("--resume/--no-resume", default=True, show_default=True,

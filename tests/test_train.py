@@ -8,6 +8,7 @@ from conftest import tiny_loaded
 from fastspec.draft import adapter_parameters, load_adapter
 from fastspec.layout import cache_mask, causal_block
 from fastspec.train.data import Example, build_targets, read_target_cache, training_prompts
+from fastspec.config import FastspecError
 from fastspec.convention import FASTSPEC, NLD, draft_adapter_flags, draft_block_mask
 from fastspec.train.trainer import (DraftTrainer, TrainConfig, draft_logits, draft_loss, make_batch,
                                     training_mask)
@@ -548,7 +549,6 @@ def test_train_drafter_nld_convention_writes_its_convention(tmp_path, monkeypatc
     assert m.draft_convention == want
 
 
-
 def test_bf16_autocast_training_tracks_fp32_and_keeps_fp32_weights(distilled):
     """--precision bf16 computes under bf16 autocast: the first step's loss agrees with fp32 to
     bf16 rounding, the trained parameters, gradients and optimizer state stay fp32, and a fixed
@@ -567,7 +567,7 @@ def test_bf16_autocast_training_tracks_fp32_and_keeps_fp32_weights(distilled):
     assert bf16[0]["loss"] == pytest.approx(fp32[0]["loss"], rel=0.03)
     assert bf16[0]["loss"] != fp32[0]["loss"]                       # it did run in bf16
     assert bf16[-1]["loss"] < 0.6 * bf16[0]["loss"]
-    with pytest.raises(Exception, match="--precision"):
+    with pytest.raises(FastspecError, match="--precision must be one of fp32, bf16"):
         small_cfg(precision="fp16")
 
 

@@ -45,7 +45,7 @@ from fastspec.layout import cache_mask, causal_block
 from fastspec.model.dflash import (DFlashDrafter, default_target_layer_ids, drafter_config_for,
                                    save_dflash)
 from fastspec.train.data import Example
-from fastspec.train.trainer import PRECISIONS, TrainLoop
+from fastspec.train.trainer import TrainLoop, precision_check
 
 CHECKPOINT_FILE = "dflash_checkpoint.safetensors"
 LOG_FILE = "train_log.jsonl"
@@ -85,8 +85,7 @@ class DFlashTrainConfig:
                   (0 < self.pos_decay <= 1, "--pos-decay must be in (0, 1]"),
                   (self.target_layers is None or len(self.target_layers) >= 1,
                    "--target-layers names no layer"),
-                  (self.precision in PRECISIONS,
-                   f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")]
+                  precision_check(self.precision)]
         for ok, msg in checks:
             if not ok:
                 raise FastspecError(msg)

@@ -65,6 +65,12 @@ BLOCK_SIZES = (4, 8, 16, 32)              # what LinearSS may run with
 PRECISIONS = ("fp32", "bf16")             # training compute precision (weights stay fp32)
 
 
+def precision_check(precision: str) -> tuple[bool, str]:
+    """The (ok, message) entry both trainer configs put in their checks."""
+    return (precision in PRECISIONS,
+            f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+
+
 def parse_block_mix(spec: str) -> tuple[tuple[int, ...], tuple[float, ...]]:
     """`4:0.2,8:0.3,16:0.25,32:0.25` (or `16`) -> sizes, weights."""
     sizes, weights = [], []
@@ -127,8 +133,7 @@ class TrainConfig:
                   (0 < self.pos_decay <= 1, "--pos-decay must be in (0, 1]"),
                   (0 <= self.partial_prob <= 1, "--partial-prob must be in [0, 1]"),
                   (0 <= self.seedless_prob <= 1, "--seedless must be in [0, 1]"),
-                  (self.precision in PRECISIONS,
-                   f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")]
+                  precision_check(self.precision)]
         for ok, msg in checks:
             if not ok:
                 raise FastspecError(msg)
