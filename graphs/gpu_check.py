@@ -95,7 +95,8 @@ def check_rounds(loaded, method: str, block: int | None, prompts: list[list[int]
 
     Returns {identical: share of requests with equal tokens and accepted lengths, kv_err: max
     relative K/V difference over the columns both runs committed from equal tokens, steps:
-    compilations + captures of the compiled engine (0 would mean eager was compared with eager)}.
+    compilations + captures of the compiled engine (0 would mean eager was compared with eager),
+    step_ms: a timed method's measured step times per (rows, width, variant)}.
     """
     from fastspec.engine import Engine
     c = len(prompts)
@@ -114,10 +115,13 @@ def check_rounds(loaded, method: str, block: int | None, prompts: list[list[int]
             kv_err = max(kv_err, ((a - b).abs().max() / a.abs().max().clamp_min(1e-6)).item())
     steps = sum(s["compiles"] + s.get("captures", 0) for s in graph.runner.stats().values())
     keys = [str(k) for k in graph.runner.keys()]
+    # A timed method's (RecGuide's) captured steps as they ran: ms per (rows, width, variant).
+    step_ms = {f"{rows}x{width}:{variant}": round(ms, 4)
+               for times in graph.step_ms.values() for (rows, width, variant), ms in sorted(times.items())}
     del eager, graph
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return {"identical": same / c, "kv_err": kv_err, "steps": steps, "keys": keys}
+    return {"identical": same / c, "kv_err": kv_err, "steps": steps, "keys": keys, "step_ms": step_ms}
 
 
 def main(argv=None) -> int:
@@ -192,6 +196,9 @@ def main(argv=None) -> int:
                     print(f"{method:<6} B={block or 1:>3} C={c:>3} {mode:<8} steps vs eager: "
                           f"identical {r['identical']:.0%}, K/V err {r['kv_err']:.1e}, "
                           f"{r['steps']} steps built {'ok' if good else 'MISMATCH'}", flush=True)
+                    if r.get("step_ms"):
+                        print("    step ms " + ", ".join(f"{k} {v:.3f}" for k, v in r["step_ms"].items()),
+                              flush=True)
     summary = (f"round steps {'match' if ok else 'DO NOT match'} eager "
                f"({sum(c['ok'] for c in checks)}/{len(checks)} checks)")
     if a.no_profile:

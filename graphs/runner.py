@@ -44,6 +44,7 @@ all the inputs of a model forward by those rules; real rows come back unchanged 
 """
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections import OrderedDict
@@ -359,6 +360,17 @@ class StepRunner:
                 entry.compiled(*static_in)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool):
-            static_out = _as_tuple(entry.compiled(*static_in))
+        # A dead graph freed mid-capture (its owner in a reference cycle, found by a GC pass the
+        # capture's Python work triggers) resets itself on the capturing stream, which invalidates
+        # the capture (seen on an H200: a profile captured after a check's engines were deleted).
+        # Collect before, and let no collection run during the capture.
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool):
+                static_out = _as_tuple(entry.compiled(*static_in))
+        finally:
+            if was_enabled:
+                gc.enable()
         entry.graph, entry.static_in, entry.static_out, entry.signature = graph, static_in, static_out, sig

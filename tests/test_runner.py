@@ -230,6 +230,39 @@ def test_moved_cache_recaptures_without_recompiling(drafter, compiler):
     drafter.model.to("cpu")
 
 
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_no_garbage_collection_runs_during_a_cuda_graph_capture(drafter):
+    """Graphs of a runner that died in a reference cycle are freed by the GC; were that to happen
+    mid-capture, their reset would invalidate the capture (an H200 profile after a check's
+    engines were deleted). The runner collects first and holds the GC off while it captures:
+    inside the capture the GC is off and an earlier dead cycle is already gone."""
+    import gc
+    import weakref
+    model = drafter.model.to("cuda")
+    bucket, ids, pos, cols, mask, slots, adapter_on, k, v = case(drafter, 3, "chain", "cuda")
+    ref_logits, _, _ = reference(model, ids, pos, cols, mask, slots, adapter_on, k, v)
+    P = pad_step(bucket, ids, pos, cols, mask, slots, adapter_on, num_slots=k.shape[1])
+    seen = []
+
+    def step(ids, pos, k, v, cols, mask, slots, adapter_on):
+        if torch.cuda.is_current_stream_capturing():
+            seen.append((gc.isenabled(), dead_ref() is None))
+        return (model(ids, pos, k, v, cols, mask, slots, adapter_on),)
+
+    class Cycle:
+        pass
+    dead = Cycle()
+    dead.self = dead
+    dead_ref = weakref.ref(dead)
+    del dead                                      # unreachable; freed only by a GC pass
+    runner = StepRunner("cuda-graph", compiler="none", model=model)
+    logits, = runner.run(GraphKey(bucket, N, "chain"), step, P[0], P[1], k.clone(), v.clone(),
+                         P[2], P[3], P[4], P[5], static=(2, 3))
+    torch.testing.assert_close(logits[:3], ref_logits, rtol=1e-4, atol=1e-4)
+    assert seen == [(False, True)] and gc.isenabled()
+    drafter.model.to("cpu")
+
+
 def test_a_compiled_step_comes_back_from_the_disk_caches(tmp_path, monkeypatch):
     """fastspec's backend hands inductor graphs that AOTAutograd can key (the skinny GEMM's node
     carries the linear's metadata): compiled again after dynamo forgot it, in a cache under
