@@ -217,6 +217,16 @@ def join_groups(groups: dict[Plan, list], cost: Callable[[int, Plan], float]) ->
     return joined
 
 
+def prompt_bucket(n: int, cap: int) -> int:
+    """The padded length of a prompt of n tokens where every length needs its own graph (CUDA
+    graphs): n rounded up to a sixteenth of its next power of two, at least 8 (5 -> 8, 17 -> 24,
+    69 -> 72, 129 -> 144, 300 -> 320), at most `cap`. Fewer than 8 padded rows below 64 tokens,
+    less than an eighth above, for 8 buckets an octave (16 up to 128)."""
+    top = 1 << max(4, (n - 1).bit_length())
+    step = max(8, top // 16)
+    return min(-(-n // step) * step, cap)
+
+
 class Engine:
     def __init__(self, loaded, backend: str = "auto", max_context: int | None = None,
                  compiler: str | None = None):
@@ -408,15 +418,23 @@ class Engine:
         return logits[:, 0]
 
     def prefill_bucket(self, n: int) -> int:
-        """The padded length a compiled prefill of n prompt tokens runs at: the next power of two
-        from 16 (17 -> 32, 300 -> 512), at most the cache's length."""
-        return min(max(16, 1 << (n - 1).bit_length()), self.cache.max_len)
+        """The padded length a compiled prefill of n prompt tokens runs at. Where the compiled
+        step keeps sizes symbolic (compile, not CUDA graphs: `dynamic_ctx`) the prompt runs at
+        its own length, 1 apart (dynamo specializes a size of 1); under CUDA graphs, one capture
+        per length bucket (`prompt_bucket`). A prefill is compute-bound, so a padded row costs
+        as much as a prompt row: padding 69 tokens to 128 took 181 ms at bf16 on Zen 4."""
+        return n if self.dynamic_ctx else prompt_bucket(n, self.cache.max_len)
+
+    def _prefill_key(self, P: int) -> GraphKey:
+        """One key for every prompt length where the length stays symbolic (block 0: any)."""
+        return GraphKey(1, 0 if self.dynamic_ctx and P > 1 else P, "prefill", method="prefill")
 
     def _prefill_compiled(self, prompt_ids: list[int], slot: int) -> torch.Tensor:
-        """One prompt through the compiled model forward, padded to its length bucket so that a
-        few step shapes serve every prompt: [t1 .. tn 0 .. 0] at positions 0 .. P-1, causal.
-        The padding writes K/V past the prompt (columns n .. P-1), beyond the committed length,
-        where nothing reads it before a later step overwrites it. Last-token logits [1, V]."""
+        """One prompt through the compiled model forward at its `prefill_bucket` length P:
+        [t1 .. tn 0 .. 0] at positions 0 .. P-1, causal. Under CUDA graphs the padding writes
+        K/V past the prompt (columns n .. P-1), beyond the committed length, where nothing reads
+        it before a later step overwrites it; elsewhere P = n and the length is a symbolic size
+        of the compiled step (one compile serves every prompt). Last-token logits [1, V]."""
         c, dev = self.cache, self.device
         n = len(prompt_ids)
         P = self.prefill_bucket(n)
@@ -426,9 +444,12 @@ class Engine:
         mask = cache_mask(torch.zeros(1, dtype=torch.long, device=dev), causal_block(P, dev), P)
         slots = torch.tensor([slot], device=dev)
         last = torch.tensor([[n - 1]], device=dev)
-        key = GraphKey(1, P, "prefill", method="prefill")
-        return self.runner.run(key, self.prefill_forward, ids, pos, c.k, c.v, pos, mask, slots, last,
-                               static=(2, 3))[0][:, 0]
+        if P > 1 and self.dynamic_ctx:
+            for t, dims in ((ids, (1,)), (pos, (1,)), (mask, (1, 2))):
+                for d in dims:
+                    torch._dynamo.maybe_mark_dynamic(t, d)
+        return self.runner.run(self._prefill_key(P), self.prefill_forward, ids, pos, c.k, c.v, pos,
+                               mask, slots, last, static=(2, 3))[0][:, 0]
 
     @torch.no_grad()
     def prefill_forward(self, ids, pos, k, v, cols, mask, slots, last):
@@ -436,12 +457,15 @@ class Engine:
         return self.model(ids, pos, k, v, cols, mask, slots, logits_index=last)
 
     def warm_prefill(self, prompt_lengths, meth: Method | None = None) -> float:
-        """Compile the prefill buckets these prompts need (on the trash slot) before timing."""
+        """Compile the prefill steps these prompts need (on the trash slot) before timing: one
+        per length bucket, or one for every length where it stays symbolic."""
         if self.runner.resolved == "eager" or getattr(meth, "prefill_capture", None):
             return 0.0
         t0 = time.perf_counter()
+        lengths = {}                 # key -> one length it serves
         for P in sorted({self.prefill_bucket(n) for n in prompt_lengths}):
-            key = (P, tuple(self.cache.k.shape))
+            lengths.setdefault((self._prefill_key(P), tuple(self.cache.k.shape)), P)
+        for key, P in lengths.items():
             if key not in self._warm_prefill:
                 self._prefill_compiled([0] * P, self.trash)
                 self._warm_prefill.add(key)

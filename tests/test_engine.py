@@ -101,15 +101,26 @@ def test_prompt_longer_than_context_is_a_clear_error(tiny):
 
 
 # --- compiled prefill ------------------------------------------------------------------------------
-def test_compiled_prefill_pads_prompts_to_length_buckets_and_equals_eager():
-    """A prompt runs through the compiled step padded to its length bucket (5 -> 16, 17 -> 32):
-    its last-token logits and its K/V equal the eager unpadded prefill's, and a whole run gives
-    the eager tokens with the buckets compiled in warm-up, none while timing."""
+def test_prompt_buckets_pad_at_most_an_eighth_from_64_tokens():
+    """Under CUDA graphs a prompt is padded to its length bucket: 8-token steps up to 128, then a
+    sixteenth of the next power of two, capped by the cache."""
+    from fastspec.engine import prompt_bucket
+    assert [prompt_bucket(n, 4096) for n in (1, 5, 8, 9, 16, 17, 33, 60, 69, 129, 300, 1000)] == \
+        [8, 8, 8, 16, 16, 24, 40, 64, 72, 144, 320, 1024]
+    assert prompt_bucket(300, 310) == 310
+    for n in range(64, 3000):
+        assert n <= prompt_bucket(n, 10 ** 6) < n * 9 / 8
+
+
+def test_compiled_prefill_runs_every_prompt_length_through_one_compile_and_equals_eager():
+    """A prompt runs through the compiled step at its own length (a symbolic size: one compile
+    serves 5, 17, 20 and 9 tokens): its last-token logits and its K/V equal the eager prefill's,
+    and a whole run gives the eager tokens with the step compiled in warm-up, none while timing."""
     from conftest import tiny_drafter
     t = tiny_drafter()
     eng = Engine(t, backend="compile", compiler="aot_eager")
     eng.prepare(1, 64)
-    assert [eng.prefill_bucket(n) for n in (1, 5, 16, 17, 33)] == [16, 16, 16, 32, 64]
+    assert [eng.prefill_bucket(n) for n in (1, 5, 17, 33)] == [1, 5, 17, 33]
     c = eng.cache
     for ids in ([7, 9, 11, 13, 15], list(range(3, 20))):
         n = len(ids)
@@ -123,6 +134,8 @@ def test_compiled_prefill_pads_prompts_to_length_buckets_and_equals_eager():
         torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(k, ref_k[:, 0, :, :n], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(v, ref_v[:, 0, :, :n], rtol=1e-5, atol=1e-5)
+    (key,) = [k for k in eng.runner.keys() if k.layout == "prefill"]
+    assert key.block == 0 and eng.runner.stats()[key]["compiles"] == 1    # 5 and 17: one compile
 
     prompts = [[5, 6, 7], list(range(3, 23)), [42] * 9]
     params = SamplingParams(max_new_tokens=7)
@@ -132,7 +145,9 @@ def test_compiled_prefill_pads_prompts_to_length_buckets_and_equals_eager():
                            concurrency=2)
         assert [x.token_ids for x in got] == want
         assert eng.last_stats.lazy_compiles == 0 and eng.last_stats.recompiles == 0
-    assert sorted(k.block for k in eng.runner.keys() if k.layout == "prefill") == [16, 32]
+    # 3, 20 and 9 tokens: one more compile, for the larger cache of concurrency 2, none after.
+    assert [k for k in eng.runner.keys() if k.layout == "prefill"] == [key]
+    assert eng.runner.stats()[key]["compiles"] == 2
 
 
 def test_round_attends_over_the_live_prefix_and_compiles_once_for_every_context():
