@@ -217,6 +217,13 @@ def join_groups(groups: dict[Plan, list], cost: Callable[[int, Plan], float]) ->
     return joined
 
 
+# Where the prompt length is symbolic, shorter prompts pad up to this: so short a prefill costs
+# about one decode step at any length, and the one compiled step never sees the small sizes
+# that specialize a trace (fp32 CPU steps of up to CPU_ATTENTION_MAX_QUERIES = 8 queries take the
+# attention kernel: a 5-token first compile was guarded 2 <= n <= 8 and recompiled at 17).
+DYNAMIC_PREFILL_MIN = 16
+
+
 def prompt_bucket(n: int, cap: int) -> int:
     """The padded length of a prompt of n tokens where every length needs its own graph (CUDA
     graphs): n rounded up to a sixteenth of its next power of two, at least 8 (5 -> 8, 17 -> 24,
@@ -420,10 +427,12 @@ class Engine:
     def prefill_bucket(self, n: int) -> int:
         """The padded length a compiled prefill of n prompt tokens runs at. Where the compiled
         step keeps sizes symbolic (compile, not CUDA graphs: `dynamic_ctx`) the prompt runs at
-        its own length, 1 apart (dynamo specializes a size of 1); under CUDA graphs, one capture
-        per length bucket (`prompt_bucket`). A prefill is compute-bound, so a padded row costs
+        its own length, at least DYNAMIC_PREFILL_MIN (1 -> 16, 17 -> 17); under CUDA graphs,
+        one capture per length bucket (`prompt_bucket`). A prefill is compute-bound, so a padded row costs
         as much as a prompt row: padding 69 tokens to 128 took 181 ms at bf16 on Zen 4."""
-        return n if self.dynamic_ctx else prompt_bucket(n, self.cache.max_len)
+        if self.dynamic_ctx:
+            return min(max(n, DYNAMIC_PREFILL_MIN), self.cache.max_len)
+        return prompt_bucket(n, self.cache.max_len)
 
     def _prefill_key(self, P: int) -> GraphKey:
         """One key for every prompt length where the length stays symbolic (block 0: any)."""
