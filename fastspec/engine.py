@@ -678,13 +678,14 @@ class Engine:
                 self.clear_slot(seq.slot)
             return len(tokens)
 
+        prefill_lazy_s = 0.0        # of the steps compiled mid-run, those built while prefilling
         t_start, t_submit = time.perf_counter(), clock()
         for s in seqs:
             s.t_submit = t_submit
         while sched.busy:
             admitted = sched.admit()
             if admitted:
-                t0 = time.perf_counter()
+                t0, compile_s0 = time.perf_counter(), self.runner.total_compile_s()
                 slots = torch.tensor([s.slot for s in admitted], device=self.device)
                 for s in admitted:
                     self.clear_slot(s.slot)
@@ -695,7 +696,9 @@ class Engine:
                 self.pending[slots] = first
                 stats.forwards += 1
                 now = time.perf_counter()
-                stats.prefill_s += now - t0
+                prefill_compile_s = self.runner.total_compile_s() - compile_s0
+                prefill_lazy_s += prefill_compile_s
+                stats.prefill_s += now - t0 - prefill_compile_s
                 tick = clock()
                 for s, tok in zip(admitted, first.tolist()):
                     s.t_first = tick
@@ -751,7 +754,7 @@ class Engine:
         # Steps compiled mid-run (a new bucket as requests drain) are warm-up, not decoding.
         lazy_s = self.runner.total_compile_s() - compile_s_before
         stats.wall_s -= lazy_s
-        stats.decode_s -= lazy_s
+        stats.decode_s -= lazy_s - prefill_lazy_s
         stats.warmup_s = self.warmup_s + lazy_s
         for k, v in self.runner.stats().items():
             n = v["compiles"] + v.get("captures", 0)

@@ -259,6 +259,28 @@ def test_a_step_compiled_mid_run_counts_as_warm_up_not_as_request_time(tiny, mon
     assert engine.last_stats.decode_s < 0.3 and engine.last_stats.warmup_s >= 0.4
 
 
+def test_a_prefill_compiled_mid_run_leaves_prefill_time_and_decode_time_alone(tiny, monkeypatch):
+    """A prompt length the warm-up did not build compiles while prefilling: warm-up again, taken
+    from the prefill time it was spent in, and never from decode (which stays positive)."""
+    import time
+    engine = Engine(tiny, backend="eager")
+    compiled = [0.0]
+    monkeypatch.setattr(engine.runner, "total_compile_s", lambda: compiled[0])
+    prefill = engine._prefill
+
+    def slow_first_prefill(*args, **kwargs):
+        if compiled[0] == 0:
+            time.sleep(0.4)
+            compiled[0] += 0.4
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_prefill", slow_first_prefill)
+    engine.generate(random_prompts(3, seed=4), SamplingParams(max_new_tokens=8, ignore_eos=True),
+                    concurrency=3)
+    st = engine.last_stats
+    assert 0 <= st.prefill_s < 0.3 and 0 < st.decode_s < st.wall_s < 0.3 and st.warmup_s >= 0.4
+
+
 # --- joining groups of plans into steps ------------------------------------------------------
 def weights_bound(rows: int, plan) -> float:
     """A CPU-like step: the weights' read dominates, each token adds a little."""
