@@ -41,7 +41,10 @@ def default_tables_path(model_name: str) -> str:
               help="Training prompt files FILE[:weight],... (default: ../shared/data/train's GSM8K, "
                    "code and general instructions). Benchmark files are refused.")
 @click.option("--prompts", "n_prompts", type=click.IntRange(min=1), default=24, show_default=True,
-              help="Prompts (mixed as the weights say).")
+              help="Prompts (mixed as the weights say), none that the drafter or an adapter it was "
+                   "initialised from was trained on (rebuilt from the adapter's recorded runs).")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed of the prompts' draw from each file.")
 @click.option("--blocks", default=None,
               help="Block sizes to run (default 8,16,32; with --drafter 8).")
 @click.option("--max-new-tokens", type=click.IntRange(min=8), default=256, show_default=True)
@@ -53,7 +56,7 @@ def default_tables_path(model_name: str) -> str:
               help="Output JSON (default profiles/<model>-survival.json; with --drafter "
                    "<adapter>/calibration.json).")
 @user_errors
-def calibrate(model, adapter, device, dtype, backend, drafter, train_data, n_prompts, blocks,
+def calibrate(model, adapter, device, dtype, backend, drafter, train_data, n_prompts, seed, blocks,
               max_new_tokens, concurrency, bins, out):
     """Fit RecGuide's block-size survival tables (or, with --drafter, the drafter's confidence
     calibration) on training prompts.
@@ -69,13 +72,17 @@ def calibrate(model, adapter, device, dtype, backend, drafter, train_data, n_pro
     from fastspec.cli.common import err_console
     from fastspec.cli.main import load_engine
     from fastspec.methods.linear import BLOCK_SIZES
-    from fastspec.train.data import mixture_prompts, parse_mixture
+    from fastspec.train.data import lineage_training_prompts, mixture_prompts, parse_mixture
     block_list = parse_int_list(blocks or ("8" if drafter else "8,16,32"), "--blocks")
     if any(b not in BLOCK_SIZES for b in block_list):
         raise FastspecError(f"--blocks must be among {BLOCK_SIZES}, got {block_list}")
     engine = load_engine(model, dtype, backend, adapter=adapter, device=device)
     train_data = train_data or default_train_data()
-    texts, record = mixture_prompts(parse_mixture(train_data), n_prompts)
+    sources = parse_mixture(train_data)
+    # Held-out prompts: on its own training prompts a drafter is accepted more often than on new
+    # text, which would bias both fits upwards.
+    seen = lineage_training_prompts(adapter_meta(engine), sources)
+    texts, record = mixture_prompts(sources, n_prompts, seed=seed, exclude=seen)
     prompts = [engine.render_chat([{"role": "user", "content": p}]) for p in texts]
     command = full_command(click.get_current_context(), skip=("bins",) if drafter else (),
                            train_data=train_data, blocks=",".join(map(str, block_list)))
@@ -100,6 +107,18 @@ def calibrate(model, adapter, device, dtype, backend, drafter, train_data, n_pro
     for b in block_list:
         vals = " ".join(f"{tables.value(b, s, '*'):.2f}" for s in (0.1, 0.3, 0.5, 0.7, 0.9))
         console.print(f"  V_{b}(s = .1 .3 .5 .7 .9) = {vals}")
+
+
+def adapter_meta(engine) -> dict | None:
+    """The training record (`meta`) of the engine's adapter, None without one."""
+    import json
+    from fastspec.draft import CONFIG_FILE
+    path = getattr(engine.loaded, "adapter_path", None)
+    if path is None or not os.path.isfile(os.path.join(path, CONFIG_FILE)):
+        return None
+    with open(os.path.join(path, CONFIG_FILE)) as f:
+        meta = json.load(f).get("meta")
+    return meta if isinstance(meta, dict) else None
 
 
 def full_command(ctx: click.Context, skip: tuple[str, ...] = (), **resolved) -> str:

@@ -345,7 +345,12 @@ def test_calibrate_drafter_writes_calibration_json_beside_the_adapter(tmp_path, 
     d = tmp_path / "draft"
     shutil.copytree(adapter_dir, d)
     train = tmp_path / "train.jsonl"
-    train.write_text("\n".join(json.dumps({"prompt": f"request number {i}"}) for i in range(4)))
+    train.write_text("\n".join(json.dumps({"prompt": f"request number {i}"}) for i in range(6)))
+    # The adapter's record says it was trained on 2 of these 6 prompts (seed 4): they are held out.
+    config = json.loads((d / "adapter_config.json").read_text())
+    config["meta"] = {"data": [{"path": str(train), "weight": 1.0, "prompts": 2, "rows": 6}],
+                      "command": "fastspec train-drafter --seed 4"}
+    (d / "adapter_config.json").write_text(json.dumps(config))
     text = cli("calibrate", "--drafter", "--model", "tiny-random", "--adapter", str(d),
                "--backend", "eager", "--train-data", str(train), "--prompts", "3",
                "--max-new-tokens", "16", "--blocks", "4")
@@ -358,7 +363,7 @@ def test_calibrate_drafter_writes_calibration_json_beside_the_adapter(tmp_path, 
                         ("--train-data", str(train)), ("--prompts", "3"), ("--blocks", "4"),
                         ("--max-new-tokens", "16"), ("--concurrency", "1")):
         assert words[words.index(flag) + 1] == value
-    assert saved["data"] == [{"path": str(train), "weight": 1.0, "prompts": 3, "rows": 4}]
+    assert saved["data"] == [{"path": str(train), "weight": 1.0, "prompts": 3, "rows": 6, "excluded": 2}]
     assert saved["prompts"] == 3 and saved["blocks"] == [4] and saved["max_new_tokens"] == 16
     assert len(saved["temperature"]) == 32 and saved["temperature"][0] == 1.0
     assert saved["counts"]["positions"] > 0 and saved["counts"]["by_index"][0] == 0

@@ -411,6 +411,35 @@ def test_mixture_sampling_respects_weights(tmp_path):
     assert mixture_prompts(srcs, 100, seed=1)[0] != mixture_prompts(srcs, 100, seed=0)[0]
 
 
+def test_calibration_prompts_hold_out_every_prompt_the_drafter_lineage_was_trained_on(tmp_path):
+    """A drafter is accepted more often on its own training prompts: calibration draws none of
+    them, rebuilt from the adapter's record and the records of the adapters it started from."""
+    from fastspec.train.data import lineage_training_prompts, mixture_prompts, parse_mixture
+    a = write_jsonl(tmp_path / "a.jsonl", "question", [f"What is {i} + {i}?" for i in range(60)])
+    b = write_jsonl(tmp_path / "b.jsonl", "prompt", [f"Write code number {i}." for i in range(60)])
+    srcs = parse_mixture(f"{a}:0.5,{b}:0.5")
+    first, rec1 = mixture_prompts(srcs, 30, seed=2)
+    then, rec2 = mixture_prompts(parse_mixture(f"{a}:0.2,{b}:0.8"), 40, seed=3)
+    run1 = {"data": rec1, "command": "fastspec train-drafter --max-prompts 30 --seed 2"}
+    run2 = {"data": rec2, "command": "fastspec train-drafter --seed 3 --lr 0.0003",
+            "init_adapter_meta": run1}
+    seen = lineage_training_prompts(run2, srcs)
+    assert seen == set(first) | set(then) and len(seen) < 70          # the runs overlap a little
+    held, rec = mixture_prompts(srcs, 40, seed=0, exclude=seen)
+    assert len(held) == 40 and not set(held) & seen
+    assert [r["excluded"] for r in rec] == [sum(p.startswith(k) for p in seen) for k in ("What", "Write")]
+    # Fewer rows left than asked: every unseen prompt, none seen.
+    everything, _ = mixture_prompts(srcs, 120, seed=0, exclude=seen)
+    assert len(everything) == 120 - len(seen) and not set(everything) & seen
+    # A run recorded on another machine: its files are found by name among the sources.
+    moved = {**run1, "data": [{**r, "path": f"/elsewhere/{r['path'].split('/')[-1]}"} for r in rec1]}
+    assert lineage_training_prompts(moved, srcs) == set(first)
+    # A file that changed since the run (other row count): its permutation is unknown, skipped.
+    write_jsonl(tmp_path / "a.jsonl", "question", [f"What is {i} + {i}?" for i in range(61)])
+    assert lineage_training_prompts(run1, srcs) == {p for p in first if p.startswith("Write")}
+    assert lineage_training_prompts(None) == set()
+
+
 def test_benchmark_data_is_refused(tmp_path, monkeypatch):
     from fastspec.config import FastspecError
     from fastspec.train.data import benchmark_dirs, load_questions, mixture_prompts, parse_mixture

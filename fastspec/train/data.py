@@ -241,20 +241,50 @@ def interleave(groups: Sequence[Sequence[str]]) -> list[str]:
     return out
 
 
-def mixture_prompts(sources: Sequence[Source], max_prompts: int, seed: int = 0) -> tuple[list[str], list[dict]]:
+def mixture_prompts(sources: Sequence[Source], max_prompts: int, seed: int = 0,
+                    exclude: frozenset[str] | set[str] = frozenset()) -> tuple[list[str], list[dict]]:
     """User messages drawn from the sources by weight (a seeded shuffle of each file), interleaved,
-    and a record per source: path, weight, prompts taken, rows in the file."""
+    and a record per source: path, weight, prompts taken, rows in the file. `exclude`: texts
+    never to draw (a drafter's own training prompts, `lineage_training_prompts`); each file's
+    record then says how many of its rows were held out."""
     if max_prompts < 1:
         raise FastspecError(f"--max-prompts must be >= 1, got {max_prompts}")
     texts = [load_questions(s.path) for s in sources]
-    counts = mixture_counts(sources, [len(t) for t in texts], max_prompts)
-    groups = []
-    for k, (t, n) in enumerate(zip(texts, counts)):
+    pools = []
+    for k, t in enumerate(texts):
         g = torch.Generator().manual_seed(seed * 1000 + k)
-        groups.append([t[i] for i in torch.randperm(len(t), generator=g)[:n].tolist()])
-    record = [{"path": s.path, "weight": s.weight, "prompts": n, "rows": len(t)}
-              for s, t, n in zip(sources, texts, counts)]
+        pools.append([t[i] for i in torch.randperm(len(t), generator=g).tolist()
+                      if t[i] not in exclude])
+    counts = mixture_counts(sources, [len(p) for p in pools], max_prompts)
+    groups = [p[:n] for p, n in zip(pools, counts)]
+    record = [{"path": s.path, "weight": s.weight, "prompts": n, "rows": len(t),
+               **({"excluded": len(t) - len(p)} if exclude else {})}
+              for s, t, p, n in zip(sources, texts, pools, counts)]
     return interleave(groups), record
+
+
+def lineage_training_prompts(meta: dict | None, sources: Sequence[Source] = ()) -> set[str]:
+    """The prompts a drafter was trained on, with those of every adapter it was initialised from
+    (`init_adapter_meta`, nested), rebuilt from each run's record: per data file, the first
+    `prompts` of the permutation `mixture_prompts` drew with the run's --seed. A recorded file
+    missing here is looked up by name among `sources`; one whose row count changed is skipped
+    (its permutation would differ)."""
+    by_name = {Path(s.path).name: s.path for s in sources}
+    seen: set[str] = set()
+    while meta:
+        words = str(meta.get("command", "")).split()
+        seed = int(words[words.index("--seed") + 1]) if "--seed" in words[:-1] else 0
+        for k, d in enumerate(meta.get("data") or []):
+            path = d["path"] if os.path.isfile(d["path"]) else by_name.get(Path(d["path"]).name)
+            if path is None:
+                continue
+            t = load_questions(path)
+            if len(t) != d.get("rows", len(t)):
+                continue
+            g = torch.Generator().manual_seed(seed * 1000 + k)
+            seen.update(t[i] for i in torch.randperm(len(t), generator=g)[: d["prompts"]].tolist())
+        meta = meta.get("init_adapter_meta")
+    return seen
 
 
 def training_prompts(data_path: str | os.PathLike | None, max_prompts: int, seed: int = 0,
