@@ -414,7 +414,8 @@ def test_mixture_sampling_respects_weights(tmp_path):
 def test_calibration_prompts_hold_out_every_prompt_the_drafter_lineage_was_trained_on(tmp_path):
     """A drafter is accepted more often on its own training prompts: calibration draws none of
     them, rebuilt from the adapter's record and the records of the adapters it started from."""
-    from fastspec.train.data import lineage_training_prompts, mixture_prompts, parse_mixture
+    from fastspec.train.data import (lineage_training_prompts, mixture_prompts, parse_mixture,
+                                     training_prompts)
     a = write_jsonl(tmp_path / "a.jsonl", "question", [f"What is {i} + {i}?" for i in range(60)])
     b = write_jsonl(tmp_path / "b.jsonl", "prompt", [f"Write code number {i}." for i in range(60)])
     srcs = parse_mixture(f"{a}:0.5,{b}:0.5")
@@ -438,6 +439,11 @@ def test_calibration_prompts_hold_out_every_prompt_the_drafter_lineage_was_train
     write_jsonl(tmp_path / "a.jsonl", "question", [f"What is {i} + {i}?" for i in range(61)])
     assert lineage_training_prompts(run1, srcs) == {p for p in first if p.startswith("Write")}
     assert lineage_training_prompts(None) == set()
+    # A run without --train-data trained on the built-in prompts and a seeded draw of questions.
+    builtin = {"data": [{"path": str(b), "builtin_general_prompts": True, "prompts": 80}],
+               "command": "fastspec train-drafter --seed 1"}
+    got = lineage_training_prompts(builtin, srcs)
+    assert got == set(training_prompts(str(b), 80, seed=1)) and sum(p.startswith("Write") for p in got) > 0
 
 
 def test_benchmark_data_is_refused(tmp_path, monkeypatch):

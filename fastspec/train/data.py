@@ -266,17 +266,22 @@ def mixture_prompts(sources: Sequence[Source], max_prompts: int, seed: int = 0,
 def lineage_training_prompts(meta: dict | None, sources: Sequence[Source] = ()) -> set[str]:
     """The prompts a drafter was trained on, with those of every adapter it was initialised from
     (`init_adapter_meta`, nested), rebuilt from each run's record: per data file, the first
-    `prompts` of the permutation `mixture_prompts` drew with the run's --seed. A recorded file
-    missing here is looked up by name among `sources`; one whose row count changed is skipped
-    (its permutation would differ)."""
+    `prompts` of the permutation `mixture_prompts` drew with the run's --seed (a run without
+    --train-data: its `training_prompts`). A recorded file missing here is looked up by name
+    among `sources`; one whose row count changed is skipped (its permutation would differ)."""
     by_name = {Path(s.path).name: s.path for s in sources}
     seen: set[str] = set()
     while meta:
         words = str(meta.get("command", "")).split()
         seed = int(words[words.index("--seed") + 1]) if "--seed" in words[:-1] else 0
         for k, d in enumerate(meta.get("data") or []):
-            path = d["path"] if os.path.isfile(d["path"]) else by_name.get(Path(d["path"]).name)
-            if path is None:
+            recorded = d.get("path")
+            path = recorded if recorded and os.path.isfile(recorded) else \
+                by_name.get(Path(recorded or "").name)
+            if d.get("builtin_general_prompts"):     # a run without --train-data
+                seen.update(training_prompts(path, d["prompts"], seed=seed))
+                continue
+            if path is None or "prompts" not in d:
                 continue
             t = load_questions(path)
             if len(t) != d.get("rows", len(t)):
