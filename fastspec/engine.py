@@ -11,6 +11,7 @@ per step to stream them and to retire finished requests.
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence as Seq
@@ -265,6 +266,7 @@ class Engine:
         self.name = getattr(loaded, "name", "this model")
         self.last_round: RoundOutput | None = None      # the latest round (draft statistics)
         self._methods: dict[tuple, Method] = {}
+        self._step_names: weakref.WeakValueDictionary[str, Method] = weakref.WeakValueDictionary()
         self.carry: dict[str, torch.Tensor] = {}
         self._carry_specs: dict = {}
         self.last_rounds: list = []
@@ -503,11 +505,27 @@ class Engine:
     def method(self, name: str | Method, block: int | None = None) -> Method:
         """The method instance for (name, block), kept so its compiled steps are reused."""
         if isinstance(name, Method):
-            return name
+            return self._name_steps(name)
         key = (name, block)           # name may carry options: recguide[corr=1;cont=0]
         if key not in self._methods:
             self._methods[key] = get_method(name, **({} if block is None else {"block": block}))
-        return self._methods[key]
+        return self._name_steps(self._methods[key])
+
+    def _name_steps(self, meth: Method) -> Method:
+        """Give `meth` a step name no other live instance of this engine has: recguide[tables=A]
+        and recguide[tables=B] share a key_name, so the second becomes `recguide(...)#2`."""
+        owner = self._step_names.get(meth.step_name())
+        if owner is meth:
+            return meth
+        n = 1
+        while owner is not None:
+            n += 1
+            meth.key_tag = f"#{n}"
+            owner = self._step_names.get(meth.step_name())
+            if owner is meth:
+                return meth
+        self._step_names[meth.step_name()] = meth
+        return meth
 
     def _round_fn(self, meth: Method, variant: str, mode: str, width: int) -> Callable:
         """The step of one GraphKey: a round of `meth` (draft / verify forwards, acceptance, the
@@ -576,7 +594,7 @@ class Engine:
         slot_t = torch.tensor(slots + [self.trash] * pad, device=dev)
         active = torch.tensor([1] * n + [0] * pad, device=dev)
         block_t = torch.tensor(blocks + [width] * pad, device=dev)
-        key = GraphKey(rows, width, meth.layout_name(plan.variant), s.mode, meth.key_name())
+        key = GraphKey(rows, width, meth.layout_name(plan.variant), s.mode, meth.step_name())
         fn = self._round_fn(meth, plan.variant, s.mode, width)
         # The attention context enters as the length of a column range, a size the compiled
         # step keeps symbolic: one compile serves every context.

@@ -362,3 +362,21 @@ def test_rows_of_a_joined_step_use_its_whole_width_when_the_method_says_so(widen
     assert sum(joins) > 0                                  # rows of different widths did join
     ragged = [blocks for width, blocks in calls if any(b != width for b in blocks)]
     assert (not ragged) == widen
+
+
+def test_method_instances_that_differ_only_on_the_host_get_their_own_steps():
+    """recguide variants that differ only in host-side options (here the hit prior; in an A/B,
+    the survival tables) share a key_name but trace separate step functions: each gets its own
+    GraphKeys, so alternating them (bench --interleave) never recompiles the other's steps."""
+    from conftest import tiny_drafter
+    eng = Engine(tiny_drafter(), backend="compile", compiler="aot_eager")
+    a, b = "recguide[prior_hits=0.3]", "recguide[prior_hits=0.6]"
+    ma, mb = eng.method(a), eng.method(b)
+    assert ma.key_name() == mb.key_name() and ma.step_name() != mb.step_name()
+    assert eng.method(a) is ma and ma.step_name() == ma.key_name()
+    ps, params = random_prompts(2, seed=1), SamplingParams(max_new_tokens=10)
+    for m in (a, b, a, b):
+        eng.generate(ps, params, method=m, concurrency=1)
+        assert eng.last_stats.recompiles == 0, m
+    names = {k.method for k in eng.runner.keys() if k.layout not in ("prefill", "chain")}
+    assert names == {ma.step_name(), mb.step_name()}

@@ -163,6 +163,15 @@ class Method:
         never share (or evict) each other's compiled steps."""
         return self.name
 
+    # Set by the engine when another live instance has the same key_name (options that only
+    # steer the host side, e.g. RecGuide's survival tables): "#2", "#3", ...
+    key_tag: str = ""
+
+    def step_name(self) -> str:
+        """key_name, made unique among one engine's live instances: each instance traces its
+        own step functions, so two that shared a GraphKey would recompile it at every switch."""
+        return self.key_name() + self.key_tag
+
     # --- inside the step --------------------------------------------------------------------
     def round(self, step, pending: torch.Tensor, blocks: torch.Tensor,
               carry: dict[str, torch.Tensor], variant: str = "") -> RoundOutput:
