@@ -83,6 +83,9 @@ def calibrate(model, adapter, device, dtype, backend, drafter, train_data, n_pro
     # text, which would bias both fits upwards.
     seen = lineage_training_prompts(adapter_meta(engine), sources)
     texts, record = mixture_prompts(sources, n_prompts, seed=seed, exclude=seen)
+    if not texts:
+        raise FastspecError(f"every prompt in --train-data is one this drafter was trained on "
+                            f"({len(seen)} held out): pass files with other prompts")
     prompts = [engine.render_chat([{"role": "user", "content": p}]) for p in texts]
     command = full_command(click.get_current_context(), skip=("bins",) if drafter else (),
                            train_data=train_data, blocks=",".join(map(str, block_list)))

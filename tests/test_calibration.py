@@ -380,6 +380,18 @@ def test_calibrate_drafter_writes_calibration_json_beside_the_adapter(tmp_path, 
     cal = json.loads(out.read_text())["runs"][0]["calibration"]
     assert cal["calibrated"] is True and cal["temperature"] == saved["temperature"]
     assert cal["all"]["ece_calibrated"] is not None
+    # Trained on every prompt of a file: nothing is left to calibrate on, and it says so.
+    seen = tmp_path / "seen.jsonl"
+    seen.write_text("\n".join(json.dumps({"prompt": f"request number {i}"}) for i in range(2)))
+    config["meta"]["data"].append({"path": str(seen), "weight": 1.0, "prompts": 2, "rows": 2})
+    (d / "adapter_config.json").write_text(json.dumps(config))
+    from click.testing import CliRunner
+    from fastspec.cli.main import cli as main_cli
+    res = CliRunner().invoke(main_cli, ["calibrate", "--drafter", "--model", "tiny-random",
+                                        "--adapter", str(d), "--backend", "eager",
+                                        "--train-data", str(seen), "--prompts", "2"])
+    assert res.exit_code != 0 and "every prompt in --train-data is one this drafter was trained on" \
+        in res.output and "Traceback" not in res.output
 
 
 def test_calibrate_fits_survival_tables_and_names_the_adapter_they_were_fit_with(tmp_path, adapter_dir):
