@@ -779,6 +779,14 @@ class Kernel:
             packed = w.view(panels, self.panel, in_features).transpose(1, 2)
             return packed.to(_PANEL_DTYPE[precision]).contiguous(), packed_scales
 
+    def unpack(self, panels: torch.Tensor, scales: torch.Tensor | None, out_features: int) -> torch.Tensor:
+        """The [out, in] fp32 weight that packed `panels` (+ int8 `scales`) compute with."""
+        w = panels.float()
+        if scales is not None:
+            w = w * scales.view(-1, 1, self.panel)          # s[o] of each panel column
+        # [panels, in, P] -> [panels * P, in] -> the first `out` rows.
+        return w.transpose(1, 2).reshape(-1, w.shape[1])[:out_features]
+
     def linear(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | None,
                out_features: int) -> torch.Tensor:
         return self.ops.skinny_linear(x, packed, scales, out_features)
