@@ -421,6 +421,7 @@ def test_prefetch_is_measured_once_then_read_from_the_cache(monkeypatch, tmp_pat
     monkeypatch.setattr(kernels, "_build_dir", lambda: str(tmp_path))
     monkeypatch.setattr(kernels, "_prefetch", {})
     monkeypatch.setenv("FASTSPEC_PREFETCH", "auto")
+    monkeypatch.setattr(kernels, "machine_busy_seconds", lambda: None)  # an idle machine, whatever runs beside
     shapes = ((3 * k.panel, 64), (k.panel, 128))
     try:
         first = kernels.tune_prefetch(k, "bf16", shapes)
@@ -450,6 +451,39 @@ def test_prefetch_is_measured_once_then_read_from_the_cache(monkeypatch, tmp_pat
         for wt in range(3):
             for multi in (0, 1):
                 k.ops.set_prefetch(wt, multi, -1)
+
+
+def test_others_share_is_the_cpu_time_other_processes_took():
+    # 2 cores for 1 s: 2 CPU-seconds. The machine used 1.8, we used 0.8: others took half of it.
+    assert kernels.others_share(1.8, 0.8, 1.0, 2) == pytest.approx(0.5)
+    assert kernels.others_share(0.7, 0.8, 1.0, 2) == 0.0          # jiffy rounding: never negative
+    assert kernels.others_share(None, 0.8, 1.0, 2) == 0.0         # no /proc/stat: cannot say
+    busy = kernels.machine_busy_seconds()
+    assert busy is None or busy > 0
+
+
+@needs_kernel
+def test_a_prefetch_timing_taken_on_a_busy_machine_keeps_the_rule_and_is_not_cached(monkeypatch, tmp_path):
+    """Another process took most of the cores while the kernel timed itself: the timing cannot
+    be trusted, so the source's rule stays, the header says why, and nothing is written."""
+    k = kernels.load(ISAS[0])
+    monkeypatch.setattr(kernels, "_TUNE_BYTES", 1 << 20)
+    monkeypatch.setattr(kernels, "_build_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(kernels, "_prefetch", {})
+    monkeypatch.setenv("FASTSPEC_PREFETCH", "auto")
+    clock = iter([0.0, 1e6])                                     # every core busy the whole time
+    monkeypatch.setattr(kernels, "machine_busy_seconds", lambda: next(clock))
+    for multi in (0, 1):
+        k.ops.set_prefetch(1, multi, -1)                         # back to the rule ...
+    rule = {str(r): bool(k.ops.set_prefetch(1, multi, -1)) for multi, r in enumerate((1, 8))}  # ... read it
+    try:
+        busy = kernels.tune_prefetch(k, "bf16", ((k.panel, 64),))
+        assert (busy["1"], busy["8"]) == (rule["1"], rule["8"])
+        assert busy["source"].startswith("rule: ") and "other processes" in busy["source"]
+        assert not (tmp_path / "prefetch.json").exists()
+    finally:
+        for multi in (0, 1):
+            k.ops.set_prefetch(1, multi, -1)
 
 
 # --- choosing the ISA -------------------------------------------------------------------------
