@@ -911,14 +911,16 @@ def keep_or_switch(rule_on: bool, t_off: float, t_on: float, margin: float = PRE
     return (not rule_on) if t_other < t_rule * (1 - margin) else rule_on
 
 
-def machine_busy_seconds() -> float | None:
-    """CPU seconds every process on the machine has used (all cores, steal included: a VM's
-    neighbours count too), from /proc/stat; None where there is none (macOS, Windows)."""
+def machine_busy_seconds() -> tuple[float, int] | None:
+    """(CPU seconds every process on the machine has used, steal included: a VM's neighbours
+    count too; the number of CPUs those seconds cover), from /proc/stat, whose CPUs may be more
+    than a container's os.cpu_count(); None where there is none (macOS, Windows)."""
     try:
         with open("/proc/stat") as f:
-            fields = f.readline().split()
-        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
-        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+            lines = f.read().splitlines()
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in lines[0].split()[1:9])
+        cpus = sum(1 for line in lines[1:] if line.startswith("cpu"))
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"), max(1, cpus)
     except (OSError, ValueError, IndexError):
         return None
 
@@ -1020,8 +1022,8 @@ def tune_prefetch(kernel: "Kernel", precision: str, shapes=None) -> dict:
             busy0, cpu0, wall0 = machine_busy_seconds(), time.process_time(), time.perf_counter()
             t = _time_gemms(kernel, precision, shapes)
             busy1 = machine_busy_seconds()
-            share = others_share(None if busy0 is None or busy1 is None else busy1 - busy0,
-                                 time.process_time() - cpu0, time.perf_counter() - wall0, os.cpu_count() or 1)
+            share = 0.0 if busy0 is None or busy1 is None else others_share(
+                busy1[0] - busy0[0], time.process_time() - cpu0, time.perf_counter() - wall0, busy1[1])
             ms = {f"{r} row{'s' * (r > 1)}, prefetch {'on' if on else 'off'}": round(v * 1e3, 3)
                   for (r, on), v in t.items()}
             if share > BUSY_SHARE:
