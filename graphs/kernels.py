@@ -925,12 +925,22 @@ def machine_busy_seconds() -> tuple[float, int] | None:
         return None
 
 
-def others_share(busy_s: float | None, own_cpu_s: float, wall_s: float, cpus: int) -> float:
-    """Share of the machine's CPU time that went to other processes over `wall_s` seconds (0
-    when the machine cannot say)."""
-    if busy_s is None or wall_s <= 0:
+def others_share(before: tuple[float, int] | None, after: tuple[float, int] | None,
+                 own_cpu_s: float, wall_s: float) -> float:
+    """Share of the machine's CPU time that went to other processes between two
+    machine_busy_seconds() readings `wall_s` seconds apart (0 when the machine cannot say)."""
+    if before is None or after is None or wall_s <= 0:
         return 0.0
-    return max(0.0, busy_s - own_cpu_s) / (wall_s * max(1, cpus))
+    return max(0.0, after[0] - before[0] - own_cpu_s) / (wall_s * after[1])
+
+
+def prefetch_rule(kernel: "Kernel", precision: str) -> dict[str, bool]:
+    """The kernel source's own prefetch choice per row count, {"1": on?, "8": on?}, with the
+    kernel left on it (set_prefetch(-1) returns the setting it replaces, so reset, then read)."""
+    wt = _WEIGHT_TYPE[precision]
+    for multi in range(len(_TUNE_ROWS)):
+        kernel.ops.set_prefetch(wt, multi, -1)
+    return {str(rows): bool(kernel.ops.set_prefetch(wt, multi, -1)) for multi, rows in enumerate(_TUNE_ROWS)}
 
 
 def _cpu_key(kernel: "Kernel") -> str:
@@ -997,9 +1007,7 @@ def tune_prefetch(kernel: "Kernel", precision: str, shapes=None) -> dict:
         return _prefetch[key]
     mode = prefetch_mode()
     wt = _WEIGHT_TYPE[precision]
-    rule = {}
-    for multi, rows in enumerate(_TUNE_ROWS):
-        rule[str(rows)] = bool(kernel.ops.set_prefetch(wt, multi, -1))
+    rule = prefetch_rule(kernel, precision)
     if mode == "rule":
         policy = {**rule, "source": "rule"}
     elif mode in ("on", "off"):
@@ -1021,9 +1029,8 @@ def tune_prefetch(kernel: "Kernel", precision: str, shapes=None) -> dict:
             import time
             busy0, cpu0, wall0 = machine_busy_seconds(), time.process_time(), time.perf_counter()
             t = _time_gemms(kernel, precision, shapes)
-            busy1 = machine_busy_seconds()
-            share = 0.0 if busy0 is None or busy1 is None else others_share(
-                busy1[0] - busy0[0], time.process_time() - cpu0, time.perf_counter() - wall0, busy1[1])
+            share = others_share(busy0, machine_busy_seconds(), time.process_time() - cpu0,
+                                 time.perf_counter() - wall0)
             ms = {f"{r} row{'s' * (r > 1)}, prefetch {'on' if on else 'off'}": round(v * 1e3, 3)
                   for (r, on), v in t.items()}
             if share > BUSY_SHARE:

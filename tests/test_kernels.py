@@ -455,9 +455,9 @@ def test_prefetch_is_measured_once_then_read_from_the_cache(monkeypatch, tmp_pat
 
 def test_others_share_is_the_cpu_time_other_processes_took():
     # 2 cores for 1 s: 2 CPU-seconds. The machine used 1.8, we used 0.8: others took half of it.
-    assert kernels.others_share(1.8, 0.8, 1.0, 2) == pytest.approx(0.5)
-    assert kernels.others_share(0.7, 0.8, 1.0, 2) == 0.0          # jiffy rounding: never negative
-    assert kernels.others_share(None, 0.8, 1.0, 2) == 0.0         # no /proc/stat: cannot say
+    assert kernels.others_share((10.0, 2), (11.8, 2), 0.8, 1.0) == pytest.approx(0.5)
+    assert kernels.others_share((10.0, 2), (10.7, 2), 0.8, 1.0) == 0.0   # jiffy rounding: never negative
+    assert kernels.others_share(None, (11.8, 2), 0.8, 1.0) == 0.0         # no /proc/stat: cannot say
     busy = kernels.machine_busy_seconds()
     assert busy is None or (busy[0] > 0 and busy[1] >= 1)
 
@@ -473,9 +473,9 @@ def test_a_prefetch_timing_taken_on_a_busy_machine_keeps_the_rule_and_is_not_cac
     monkeypatch.setenv("FASTSPEC_PREFETCH", "auto")
     clock = iter([(0.0, 2), (1e6, 2)])               # every core busy the whole time
     monkeypatch.setattr(kernels, "machine_busy_seconds", lambda: next(clock))
-    for multi in (0, 1):
-        k.ops.set_prefetch(1, multi, -1)                         # back to the rule ...
-    rule = {str(r): bool(k.ops.set_prefetch(1, multi, -1)) for multi, r in enumerate((1, 8))}  # ... read it
+    rule = kernels.prefetch_rule(k, "bf16")
+    # ... and the kernel is left on it: resetting again replaces exactly that setting.
+    assert rule == {str(r): bool(k.ops.set_prefetch(1, m, -1)) for m, r in enumerate((1, 8))}
     try:
         busy = kernels.tune_prefetch(k, "bf16", ((k.panel, 64),))
         assert (busy["1"], busy["8"]) == (rule["1"], rule["8"])
