@@ -4,7 +4,7 @@ verify), random weights packed at a precision, called back to back as a forward 
 (weights streamed from memory, not cache).
 
     FASTSPEC_ISA=avx2 python -m fastspec.graphs.gemm_seq int8      # fp32 | bf16 | int8
-    FASTSPEC_ISA=amx python -m fastspec.graphs.gemm_seq bf16 8     # 8 rows
+    python -m fastspec.graphs.gemm_seq bf16 8                      # 8 rows
     FASTSPEC_PREFETCH=off python -m fastspec.graphs.gemm_seq fp32 1   # the prefetch pinned off
     python -m fastspec.graphs.gemm_seq fp32,bf16,int8 1,8,16 results/gemm_rows.json   # a grid, JSON
 
