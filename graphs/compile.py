@@ -6,8 +6,10 @@ The StepRunner (graphs/runner.py) compiles every step with `_skinny_backend(_pac
     `skinny_linear` on a copy of that weight packed into column panels (graphs/kernels.py) at the
     model's weight precision (fp32, bf16, or int8 + per-output scales), and likewise every F.linear
     on the draft adapter's fused inference LoRA (A and B, always fp32: aten's mm costs ~25 us a
-    call on these shapes, 120 calls a draft forward); everything else (norms, RoPE, embedding)
-    is left to inductor, which fuses the pointwise work;
+    call on these shapes); a projection with its LoRA (`linear(x, W) + linear(linear(x, A), B)
+    * gate`, `_lora_sites`) becomes one `skinny_lora_linear` first (one call, not three GEMMs
+    and two pointwise ops: a draft forward's 12 GEMM calls a layer become 4); everything else
+    (norms, RoPE, embedding) is left to inductor, which fuses the pointwise work;
   * attention over the cache (traced as kernels.attention_op, fastspec/model/llama.py) becomes the
     kernel's `cache_attention`, which reads each row's slot in place (no gathered K/V copy);
   * K/V-cache writes become an in-place op that touches only the new columns;
@@ -49,11 +51,13 @@ INDUCTOR_PATCHES = {"realize_cpu_opcount_threshold": 20}
 @dataclass(frozen=True)
 class Packed:
     """One packed weight: panels (fp32 / bf16 / int8), int8 scales (else None), out features,
-    and the weight it packs (held, so that its id is never another tensor's)."""
+    and the weight it packs (held, so that its id is never another tensor's). A fused LoRA's B
+    also carries its compact form for skinny_lora_linear (`Kernel.pack_lora_b`: panels, index)."""
     panels: torch.Tensor
     scales: torch.Tensor | None
     out_features: int
     source: torch.Tensor
+    lora_b: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def setup_inductor_cache() -> None:
@@ -84,7 +88,8 @@ def _pack_model(model: nn.Module, kernel: "kernels.Kernel") -> dict[int, Packed]
             for w in (module.A, module.B):
                 if w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu":
                     panels, _ = kernel.pack(w, "fp32")
-                    packed[id(w)] = Packed(panels, None, w.shape[0], w)
+                    packed[id(w)] = Packed(panels, None, w.shape[0], w,
+                                           kernel.pack_lora_b(w) if w is module.B else None)
     return packed
 
 
@@ -127,8 +132,9 @@ def _swap_attention(graph: torch.fx.Graph, kernel) -> int:
     return count
 
 
-def _is_linear(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target in (F.linear, torch._C._nn.linear)
+def _is_linear(node) -> bool:
+    return (isinstance(node, torch.fx.Node) and node.op == "call_function"
+            and node.target in (F.linear, torch._C._nn.linear))
 
 
 def _linear_args(node: torch.fx.Node):
@@ -152,20 +158,86 @@ def _to_skinny(graph: torch.fx.Graph, node: torch.fx.Node, kernel, panels, scale
     graph.erase_node(node)
 
 
+@dataclass(frozen=True)
+class LoraSite:
+    """`y = linear(x, W) + linear(linear(x, A), B) * gate`: a projection with the draft adapter's
+    fused LoRA (`FusedLoRA.forward` under fp32 activations), as traced. `nodes`: the five nodes
+    that become one skinny_lora_linear, the add first."""
+    x: torch.fx.Node
+    weight: torch.fx.Node
+    a: torch.fx.Node
+    b: torch.fx.Node
+    gate: torch.fx.Node
+    nodes: tuple[torch.fx.Node, ...]
+
+
+def _shape(node) -> tuple | None:
+    value = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _lora_sites(graph: torch.fx.Graph) -> list[LoraSite]:
+    """Every fused-LoRA projection in `graph` whose intermediate results have no other use and
+    whose gate holds one value per row of x ([..., 1] over x's leading dims)."""
+    sites = []
+    for add in graph.nodes:
+        if not (add.op == "call_function" and add.target in (operator.add, torch.add)
+                and len(add.args) == 2 and not add.kwargs):
+            continue
+        for base, delta in (add.args, add.args[::-1]):
+            if not (_is_linear(base) and isinstance(delta, torch.fx.Node) and delta.op == "call_function"
+                    and delta.target in (operator.mul, torch.mul) and len(delta.args) == 2 and not delta.kwargs):
+                continue
+            found = None
+            for up, gate in (delta.args, delta.args[::-1]):
+                if not (_is_linear(up) and isinstance(gate, torch.fx.Node)
+                        and _is_linear(down := _linear_args(up)[0])):
+                    continue
+                x, w, bias = _linear_args(base)
+                xa, a, bias_a = _linear_args(down)
+                _, b, bias_b = _linear_args(up)
+                xs, gs = _shape(x), _shape(gate)
+                if (xa is x and bias is None and bias_a is None and bias_b is None
+                        and all(len(n.users) == 1 for n in (base, delta, up, down))
+                        and xs is not None and gs == (*xs[:-1], 1)):
+                    found = LoraSite(x, w, a, b, gate, (add, delta, up, down, base))
+                    break
+            if found is not None:
+                sites.append(found)
+                break
+    return sites
+
+
+def _to_lora(graph: torch.fx.Graph, site: LoraSite, kernel, panels, scales, out_features: int,
+             a_panels, b_compact, b_index) -> None:
+    """Replace a LoraSite's five nodes by one skinny_lora_linear."""
+    add = site.nodes[0]
+    with graph.inserting_before(add):
+        y = graph.call_function(kernel.ops.skinny_lora_linear.default,
+                                (site.x, panels, scales, out_features, a_panels, b_compact, b_index,
+                                 site.gate))
+        y.meta.update(add.meta)
+    add.replace_all_uses_with(y)
+    for node in site.nodes:
+        graph.erase_node(node)
+
+
 def _copy_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     graph, remap = torch.fx.Graph(), {}
     graph.output(graph.graph_copy(gm.graph, remap))
     return torch.fx.GraphModule(gm, graph)
 
 
-def _rewrite_regions(gm: torch.fx.GraphModule, packed_for, packed_inputs, kernel) -> int:
+def _rewrite_regions(gm: torch.fx.GraphModule, packed_for, packed_inputs, lora_inputs, kernel) -> int:
     """Skinny GEMMs inside nested compile regions (one decoder layer traced once, called per layer).
 
     A region's weights are its inputs, so its body cannot name one packed weight. Its F.linear on
     input j becomes skinny_linear on two new inputs (panels, scales), and every call passes the
     panels of the weight it passes at j:
         invoke_subgraph(layer, x, w0_layer3, ...) -> invoke_subgraph(layer', x, w0_layer3, ..., P(w0_layer3), S(w0_layer3))
-    Only when every call's weight at j is packed with the same out features. Returns the count.
+    Only when every call's weight at j is packed with the same out features. A fused-LoRA
+    projection (LoraSite) whose W, A and B are region inputs becomes one skinny_lora_linear the
+    same way, first. Returns the count of rewritten GEMMs.
     """
     calls: dict[str, list[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
@@ -175,6 +247,32 @@ def _rewrite_regions(gm: torch.fx.GraphModule, packed_for, packed_inputs, kernel
     for name, sites in calls.items():
         sub = _copy_module(getattr(gm, name))    # dynamo keeps its own region unchanged
         inputs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+
+        def new_input(per_site: list[torch.fx.Node]) -> torch.fx.Node:
+            """A new region input; call k passes per_site[k]."""
+            with sub.graph.inserting_after(inputs[-1]):
+                node = sub.graph.placeholder(f"fastspec_packed_{len(inputs)}")
+            inputs.append(node)
+            for site, value in zip(sites, per_site):
+                site.args = (*site.args, value)
+            return node
+
+        for lora in _lora_sites(sub.graph):
+            if not all(n in inputs for n in (lora.weight, lora.a, lora.b)):
+                continue
+            packs = [[packed_for(site.args[2 + inputs.index(n)]) for n in (lora.weight, lora.a, lora.b)]
+                     for site in sites]
+            if any(p is None for ps in packs for p in ps) or any(ps[2].lora_b is None for ps in packs) \
+                    or len({(ps[0].out_features, ps[0].scales is None) for ps in packs}) != 1:
+                continue
+            w_in = [packed_inputs(ps[0]) for ps in packs]
+            panels = new_input([p for p, _ in w_in])
+            scales = None if packs[0][0].scales is None else new_input([sc for _, sc in w_in])
+            a_panels = new_input([packed_inputs(ps[1])[0] for ps in packs])
+            b_in = [lora_inputs(ps[2]) for ps in packs]
+            _to_lora(sub.graph, lora, kernel, panels, scales, packs[0][0].out_features, a_panels,
+                     new_input([c for c, _ in b_in]), new_input([i for _, i in b_in]))
+            count += 1
         for node in list(sub.graph.nodes):
             if not _is_linear(node) or (w := _linear_args(node)[1]) not in inputs:
                 continue
@@ -233,7 +331,7 @@ def _skinny_backend(packed: dict[int, Packed], kernel: "kernels.Kernel | None" =
 
         # The packed panels (and int8 scales) enter as extra graph inputs after dynamo's own.
         extra: list[torch.Tensor] = []
-        extra_nodes: dict[int, tuple[torch.fx.Node, torch.fx.Node | None]] = {}
+        extra_nodes: dict = {}
         last = [placeholders[-1]]
 
         def graph_input(value: torch.Tensor) -> torch.fx.Node:
@@ -259,12 +357,24 @@ def _skinny_backend(packed: dict[int, Packed], kernel: "kernels.Kernel | None" =
                                     None if pw.scales is None else graph_input(pw.scales))
             return extra_nodes[key]
 
+        def lora_inputs(pw: Packed) -> tuple[torch.fx.Node, torch.fx.Node]:
+            key = ("lora_b", id(pw))
+            if key not in extra_nodes:
+                extra_nodes[key] = tuple(graph_input(t) for t in pw.lora_b)
+            return extra_nodes[key]
+
+        if kernel is not None:
+            for lora in _lora_sites(gm.graph):
+                pw, pa, pb = (packed_for(n) for n in (lora.weight, lora.a, lora.b))
+                if pw is not None and pa is not None and pb is not None and pb.lora_b is not None:
+                    _to_lora(gm.graph, lora, kernel, *packed_inputs(pw), pw.out_features,
+                             packed_inputs(pa)[0], *lora_inputs(pb))
         for node in list(gm.graph.nodes):
             if _is_linear(node) and (pw := packed_for(_linear_args(node)[1])) is not None:
                 _to_skinny(gm.graph, node, kernel, *packed_inputs(pw), pw.out_features)
         if kernel is not None:
             _swap_attention(gm.graph, kernel)
-            _rewrite_regions(gm, packed_for, packed_inputs, kernel)
+            _rewrite_regions(gm, packed_for, packed_inputs, lora_inputs, kernel)
         _rewrite_kv_writes(gm, set(placeholders))
         # No eliminate_dead_code() here: it drops in-place ops whose result is unused
         # (`t.scatter_(...)` on a tensor read later), silently changing the step's outputs.

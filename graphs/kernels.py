@@ -23,6 +23,9 @@ fp32): the [out, in] weight is packed once into column panels `[ceil(out/PANEL),
     bf16   bfloat16 (uint16): widened in registers by a 16-bit shift (exact)
     int8   int8 plus one fp32 scale per output (symmetric, per output channel): widened to fp32 in
            registers, the scale applied once to each finished accumulator: y[o] = s[o] * sum q[o,i] x[i]
+A draft forward's projection with its LoRA runs as one call, `skinny_lora_linear`: u = x @ A^T
+over A's fp32 panels, then each output panel of W adds gate * (u @ B^T) for its rows of B, packed
+as only the columns those rows use (`Kernel.pack_lora_b`; `LoraTail` in the source).
 Threads: torch's own pool via at::parallel_for over panels (torch.set_num_threads applies; the
 extension is built with -fopenmp, without which that header-inlined loop silently runs on one
 thread, and links the libgomp torch already loaded).
@@ -265,16 +268,32 @@ constexpr int64_t prefetch_distance(int64_t M) {
   return M == 1 ? 4096 / int64_t(PANEL * sizeof(WT)) : KC;
 }
 
+// A draft adapter's low-rank term, added to a projection in the same pass over its panels:
+// y[m] += gate[m] * (u[m] @ B^T), u = x @ A^T computed first. B is packed per output panel as
+// the range of u's columns its rows use (a fused q/k/v B is block-diagonal: a panel of q outputs
+// reads q's rank columns of u only):
+//     B [O, R] rows of panel b, columns [r0, r0 + nr)  ->  [nr, PANEL] at lora_b + offset
+//     index[b] = (offset, r0, nr)          (nr = 0: no LoRA rows in this panel)
+struct LoraTail {
+  const float* u;           // [M, ldu]
+  int64_t ldu;
+  const float* b;           // the compact panels, one after another
+  const int64_t* index;     // [panels, 3]
+  const float* gate;        // [M]: the adapter flag of each row
+};
+
 template <typename WT>
 void panels(const WT* packed, const float* scales, const float* x, float* y, int64_t M, int64_t I,
-            int64_t O, int64_t b0, int64_t b1) {
+            int64_t O, int64_t b0, int64_t b1, const LoraTail* lora = nullptr) {
   static constexpr auto K = table<WT>(std::make_index_sequence<MR_MAX>{});
+  static constexpr auto KF = table<float>(std::make_index_sequence<MR_MAX>{});
   const int64_t tiles = (M + MR_MAX - 1) / MR_MAX;
   const int64_t kc = tiles == 1 ? I : KC;
   const bool pf = prefetch_on<WT>(M);
   const int64_t pf_rows = prefetch_distance<WT>(M);
-  std::vector<float> scratch(M * PANEL);
+  std::vector<float> scratch((lora != nullptr ? 2 : 1) * M * PANEL);
   float* c = scratch.data();
+  float* c2 = lora != nullptr ? c + M * PANEL : nullptr;
   for (int64_t b = b0; b < b1; b++) {
     const WT* pb = packed + b * I * PANEL;
     for (int64_t i0 = 0; i0 < I; i0 += kc) {
@@ -289,6 +308,32 @@ void panels(const WT* packed, const float* scales, const float* x, float* y, int
     // The finished panel: int8 scales once per output, the ragged last panel cut to O.
     const int64_t nc = std::min<int64_t>(PANEL, O - b * PANEL);
     const float* sb = scales == nullptr ? nullptr : scales + b * PANEL;
+    const int64_t lnr = lora == nullptr ? 0 : lora->index[3 * b + 2];
+    if (lnr > 0) {
+      // The LoRA term in its own sums, added after the scaled base: the same arithmetic as
+      // y = x W^T + (u B^T) * gate run as separate ops (bit for bit).
+      const float* lb = lora->b + lora->index[3 * b];
+      const float* lu = lora->u + lora->index[3 * b + 1];
+      for (int64_t t = 0, m0 = 0; t < tiles; t++) {
+        const int64_t mr = M / tiles + (t < M % tiles ? 1 : 0);
+        KF[mr](lb, lu + m0 * lora->ldu, lora->ldu, 0, lnr, c2 + m0 * PANEL, false, nullptr);
+        m0 += mr;
+      }
+      for (int64_t m = 0; m < M; m++) {
+        float* yr = y + m * O + b * PANEL;
+        const float* cr = c + m * PANEL;
+        const float* dr = c2 + m * PANEL;
+        const float g = lora->gate[m];
+        // Two passes, so the scaled base is rounded before the sum (one expression may be
+        // contracted into fma(c, s, d * g), which rounds once: not the separate ops' result).
+        if (sb != nullptr)
+          for (int64_t o = 0; o < nc; o++) yr[o] = cr[o] * sb[o];
+        else
+          std::memcpy(yr, cr, nc * sizeof(float));
+        for (int64_t o = 0; o < nc; o++) yr[o] += dr[o] * g;
+      }
+      continue;
+    }
     for (int64_t m = 0; m < M; m++) {
       float* yr = y + m * O + b * PANEL;
       const float* cr = c + m * PANEL;
@@ -337,6 +382,73 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed,
     case at::kBFloat16: run(reinterpret_cast<const uint16_t*>(packed.data_ptr())); break;
     case at::kChar: run(packed.data_ptr<int8_t>()); break;
     default: TORCH_CHECK(false, "skinny_linear: panels must be float32, bfloat16 or int8");
+  }
+  return y;
+}
+
+// y = x @ W^T + gate * ((x @ A^T) @ B^T): a projection with the draft adapter's fused LoRA in
+// one call (3 calls and 2 pointwise ops before). W as for skinny_linear; A packed as fp32 panels
+// [ceil(R/PANEL), I, PANEL]; B as LoraTail describes (Kernel.pack_lora_b); gate [M], one per row.
+at::Tensor skinny_lora_linear(const at::Tensor& x, const at::Tensor& packed,
+                              const c10::optional<at::Tensor>& scales, int64_t out_features,
+                              const at::Tensor& a_packed, const at::Tensor& b_packed,
+                              const at::Tensor& b_index, const at::Tensor& gate) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "skinny_lora_linear: fp32 activations only");
+  const int64_t I = x.size(-1);
+  TORCH_CHECK(I > 0, "skinny_lora_linear: no input features");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == I && packed.size(2) == PANEL && packed.is_contiguous(),
+              "skinny_lora_linear: packed weight is not [panels, ", I, ", ", PANEL, "] for this ISA");
+  const int64_t O = out_features, nb = packed.size(0);
+  TORCH_CHECK(O > 0 && nb * PANEL >= O && (nb - 1) * PANEL < O, "skinny_lora_linear: bad out_features");
+  const float* sp = nullptr;
+  if (packed.scalar_type() == at::kChar) {
+    TORCH_CHECK(scales.has_value() && scales->scalar_type() == at::kFloat && scales->is_contiguous()
+                && scales->numel() == nb * PANEL, "skinny_lora_linear: int8 panels need fp32 scales [panels * PANEL]");
+    sp = scales->data_ptr<float>();
+  } else {
+    TORCH_CHECK(!scales.has_value(), "skinny_lora_linear: scales go with int8 panels only");
+  }
+  TORCH_CHECK(a_packed.dim() == 3 && a_packed.size(1) == I && a_packed.size(2) == PANEL
+              && a_packed.scalar_type() == at::kFloat && a_packed.is_contiguous(),
+              "skinny_lora_linear: A is not fp32 panels [panels, ", I, ", ", PANEL, "]");
+  const int64_t R = a_packed.size(0) * PANEL;
+  TORCH_CHECK(b_index.dim() == 2 && b_index.size(0) == nb && b_index.size(1) == 3
+              && b_index.scalar_type() == at::kLong && b_index.is_contiguous(),
+              "skinny_lora_linear: B index must be int64 [", nb, ", 3]");
+  TORCH_CHECK(b_packed.dim() == 1 && b_packed.scalar_type() == at::kFloat && b_packed.is_contiguous(),
+              "skinny_lora_linear: B must be fp32 compact panels");
+  const int64_t* bi = b_index.data_ptr<int64_t>();
+  for (int64_t b = 0; b < nb; b++)
+    TORCH_CHECK(bi[3 * b] >= 0 && bi[3 * b + 1] >= 0 && bi[3 * b + 2] >= 0 && bi[3 * b + 1] + bi[3 * b + 2] <= R
+                && bi[3 * b] + bi[3 * b + 2] * PANEL <= b_packed.numel(),
+                "skinny_lora_linear: B index entry ", b, " outside A's rank or B's panels");
+  auto xc = x.contiguous();
+  const int64_t M = xc.numel() / I;
+  auto gc = gate.contiguous();
+  TORCH_CHECK(gc.scalar_type() == at::kFloat && gc.numel() == M,
+              "skinny_lora_linear: gate must be fp32 with one value per row (", M, ")");
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = O;
+  auto y = at::empty(out_shape, xc.options());
+  if (M == 0) return y;
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  std::vector<float> u(M * R);
+  const float* ap = a_packed.data_ptr<float>();
+  at::parallel_for(0, a_packed.size(0), 1, [&](int64_t b0, int64_t b1) {
+    panels(ap, nullptr, xp, u.data(), M, I, R, b0, b1);
+  });
+  const LoraTail lora{u.data(), R, b_packed.data_ptr<float>(), bi, gc.data_ptr<float>()};
+  auto run = [&](auto* wp) {
+    at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+      panels(wp, sp, xp, yp, M, I, O, b0, b1, &lora);
+    });
+  };
+  switch (packed.scalar_type()) {
+    case at::kFloat: run(packed.data_ptr<float>()); break;
+    case at::kBFloat16: run(reinterpret_cast<const uint16_t*>(packed.data_ptr())); break;
+    case at::kChar: run(packed.data_ptr<int8_t>()); break;
+    default: TORCH_CHECK(false, "skinny_lora_linear: panels must be float32, bfloat16 or int8");
   }
   return y;
 }
@@ -664,11 +776,14 @@ void kv_write_(at::Tensor& cache, int64_t layer, const at::Tensor& rows, const a
 FS_LIBRARY(FASTSPEC_NS, m) {
   m.def("kv_write_(Tensor(a!) cache, int layer, Tensor rows, Tensor cols, Tensor value) -> ()");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? scales, int out_features) -> Tensor");
+  m.def("skinny_lora_linear(Tensor x, Tensor packed, Tensor? scales, int out_features, Tensor a_packed, "
+        "Tensor b_packed, Tensor b_index, Tensor gate) -> Tensor");
   m.def("cache_attention(Tensor q, Tensor k_layer, Tensor v_layer, Tensor slots, Tensor mask) -> Tensor");
   m.def("set_prefetch(int weight, int multi, int mode) -> int", &set_prefetch);   // no tensors: catch-all
 }
 FS_LIBRARY_IMPL(FASTSPEC_NS, CPU, m) {
   m.impl("skinny_linear", &skinny_linear);
+  m.impl("skinny_lora_linear", &skinny_lora_linear);
   m.impl("kv_write_", &kv_write_);
   m.impl("cache_attention", &cache_attention);
 }
@@ -791,6 +906,44 @@ class Kernel:
                out_features: int) -> torch.Tensor:
         return self.ops.skinny_linear(x, packed, scales, out_features)
 
+    def pack_lora_b(self, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A LoRA's [out, rank] B (fp32) -> (compact panels, index [panels, 3]) for
+        skinny_lora_linear: each output panel keeps only the columns of B its rows use,
+        `[nr, panel]` at `offset`, and index[b] = (offset, r0, nr). A fused q/k/v B, panel 32:
+
+            rows of q  [Bq 0  0 ]    panels 0..17   columns  0..31   (r0 0,  nr 32)
+            rows of k  [0  Bk 0 ] -> panels 18..23  columns 32..63   (r0 32, nr 32)
+            rows of v  [0  0  Bv]    panels 24..29  columns 64..95   (r0 64, nr 32)
+
+        r0 is rounded down to a multiple of 4, so each column lands in the same one of the
+        micro-kernel's interleaved sums as in a plain skinny_linear over the whole B (bit-equal)."""
+        with torch.no_grad():
+            b = b.detach().float()
+            out_features, rank = b.shape
+            panels = -(-out_features // self.panel)
+            b = torch.cat([b, b.new_zeros(panels * self.panel - out_features, rank)])
+            blocks, index, offset = [], [], 0
+            for p, rows in enumerate(b.view(panels, self.panel, rank)):
+                used = (rows != 0).any(0).nonzero().flatten()
+                if used.numel() == 0:
+                    index.append((offset, 0, 0))
+                    continue
+                r0 = int(used[0]) // 4 * 4
+                r1 = int(used[-1]) + 1
+                blocks.append(rows[:, r0:r1].t().contiguous().flatten())     # [nr, panel]
+                index.append((offset, r0, r1 - r0))
+                offset += (r1 - r0) * self.panel
+            compact = torch.cat(blocks) if blocks else b.new_zeros(0)
+            return compact.contiguous(), torch.tensor(index, dtype=torch.long)
+
+    def lora_linear(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | None,
+                    out_features: int, a_packed: torch.Tensor, b_packed: torch.Tensor,
+                    b_index: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x @ W^T + gate * ((x @ A^T) @ B^T) in one call (W from `pack`, A from `pack(A)`, B from
+        `pack_lora_b`, gate one value per row of x)."""
+        return self.ops.skinny_lora_linear(x, packed, scales, out_features, a_packed, b_packed,
+                                           b_index, gate)
+
 
 def _attention_fake(q, k_layer, v_layer, slots, mask):
     """Shape of cache_attention's output (the kernel's op and the reference): [B, N, H * D]."""
@@ -832,6 +985,10 @@ def load(isa: str) -> Kernel:
 
     @torch.library.register_fake(f"{ns}::skinny_linear")
     def _(x, packed, scales, out_features):
+        return x.new_empty((*x.shape[:-1], out_features))
+
+    @torch.library.register_fake(f"{ns}::skinny_lora_linear")
+    def _(x, packed, scales, out_features, a_packed, b_packed, b_index, gate):
         return x.new_empty((*x.shape[:-1], out_features))
 
     torch.library.register_fake(f"{ns}::cache_attention")(_attention_fake)

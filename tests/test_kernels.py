@@ -85,6 +85,56 @@ def test_kernel_equals_x_at_w_transposed(isa, precision):
         torch.set_num_threads(threads)
 
 
+def block_diagonal_b(parts: list[tuple[int, int]], g: torch.Generator) -> torch.Tensor:
+    """A fused LoRA's B: [Σ rows, Σ rank], block-diagonal over (rows, rank) parts (rank 0: a part
+    without LoRA), like FusedLoRA's q/k/v B."""
+    b = torch.zeros(sum(r for r, _ in parts), sum(k for _, k in parts))
+    row = col = 0
+    for rows, rank in parts:
+        b[row: row + rows, col: col + rank] = torch.randn(rows, rank, generator=g)
+        row, col = row + rows, col + rank
+    return b
+
+
+@needs_kernel
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("isa", ISAS)
+def test_lora_linear_is_the_three_gemms_it_replaces_bit_for_bit(isa, precision):
+    """skinny_lora_linear = skinny(x, W) + skinny(skinny(x, A), B) * gate, the same bits, for
+    every row count 1..16, block-diagonal B whose parts straddle panels or skip a part (no LoRA
+    on k), gates of 0 and 1 (the seed row runs without the adapter); and to fp32 accumulation
+    error of x W^T + gate (x A^T) B^T in double."""
+    k = kernels.load(isa)
+    g = torch.Generator().manual_seed(1)
+    for in_features, parts in [(64, [(k.panel * 2, 8), (k.panel, 0), (k.panel, 8)]),
+                               (33, [(k.panel + 5, 4), (2 * k.panel - 3, 12)]),
+                               (100, [(7, 3)])]:
+        b = block_diagonal_b(parts, g)
+        out_features, rank = b.shape
+        w, s = rounded_weight(out_features, in_features, precision, g)
+        a = torch.randn(rank, in_features, generator=g)
+        panels, scales = k.pack(w, precision, s)
+        a_panels, _ = k.pack(a)
+        b_panels, _ = k.pack(b)
+        compact, index = k.pack_lora_b(b)
+        assert compact.numel() < b_panels.numel() or len(parts) == 1   # the zero blocks are gone
+        for rows in range(1, 17):
+            x = torch.randn(rows, in_features, generator=g)
+            gate = (torch.rand(rows, generator=g) < 0.7).float()
+            gate[0] = 0.0
+            three = (k.linear(x, panels, scales, out_features)
+                     + k.linear(k.linear(x, a_panels, None, rank), b_panels, None, out_features) * gate[:, None])
+            one = k.lora_linear(x, panels, scales, out_features, a_panels, compact, index, gate)
+            assert torch.equal(one, three), (isa, precision, parts, rows)
+            xd, wd, ad, bd = x.double(), w.double(), a.double(), b.double()
+            ref = xd @ wd.T + gate.double()[:, None] * ((xd @ ad.T) @ bd.T)
+            bound = 1e-5 * (xd.abs() @ wd.abs().T + (xd.abs() @ ad.abs().T) @ bd.abs().T) + 1e-30
+            assert ((one.double() - ref).abs() <= bound).all()
+    with pytest.raises(RuntimeError, match="gate"):
+        k.lora_linear(torch.randn(3, 100), panels, scales, out_features, a_panels, compact, index,
+                      torch.ones(2))
+
+
 @needs_kernel
 def test_kernel_refuses_mismatched_panels():
     k = kernels.load(ISAS[0])
@@ -638,10 +688,10 @@ def _compiled_graph(monkeypatch, regional: str, layers: int = 3, draft: bool = F
     layout = "chain"
     if draft:
         from fastspec.draft import AdapterConfig, attach_adapter, fuse_adapter
-        attach_adapter(t.model, AdapterConfig(rank=4), seed=2)
+        attach_adapter(t.model, AdapterConfig(rank=4, targets=("q", "v", "o", "gate", "up", "down")), seed=2)
         with torch.no_grad():
             for blk in t.model.layers:
-                for lora in blk.attn.lora.values():
+                for lora in [*blk.attn.lora.values(), *blk.mlp.lora.values()]:
                     lora.B.normal_(0, 0.1)
         t.model.requires_grad_(False)
         fuse_adapter(t.model)
@@ -688,13 +738,18 @@ def test_regional_compilation_traces_one_layer_and_reuses_it(monkeypatch):
 
 
 @needs_kernel
-def test_the_fused_draft_adapter_runs_on_packed_panels(monkeypatch):
-    """A draft forward with the inference form of the adapter: its LoRA GEMMs (fused q/k/v A and
-    B, o's A and B) run as skinny_linear on packed fp32 panels too, no aten mm is left in the
-    layer, and the step gives the eager logits."""
-    gm, out, ref, _ = _compiled_graph(monkeypatch, "1", layers=2, draft=True)
-    body = _region_body(gm)
-    assert len(_calls(body.graph, kernels.active().ops.skinny_linear.default)) == 4 + 4
+@pytest.mark.parametrize("regional", ["1", "0"])
+def test_the_fused_draft_adapter_runs_in_its_projections_gemm(monkeypatch, regional):
+    """A draft forward with the inference form of the adapter (LoRA on q, v (not k), o, gate, up,
+    down): each of the layer's four projections is one skinny_lora_linear (base panels, the fused
+    A, the compact B, the adapter gate), no aten mm is left, and the step gives the eager logits;
+    the same with every layer traced inline."""
+    gm, out, ref, _ = _compiled_graph(monkeypatch, regional, layers=2, draft=True)
+    body = _region_body(gm) if regional == "1" else gm
+    per = 1 if regional == "1" else 2
+    ops = kernels.active().ops
+    assert len(_calls(body.graph, ops.skinny_lora_linear.default)) == 4 * per
+    assert len(_calls(body.graph, ops.skinny_linear.default)) == (regional == "0")     # the head
     assert not _calls(body.graph, F.linear) and not _calls(body.graph, torch._C._nn.linear)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 

@@ -694,3 +694,10 @@ def test_one_pass_statistics_equal_the_separate_ones():
             assert torch.equal(fused[3], sep[3])
             for a, b in zip(fused, sep):
                 torch.testing.assert_close(a, b)
+    # The margin p1 − p2 is topk's, a tied maximum included (margin 0).
+    logits[2, 2, 4] = logits[2, 2, 5] = 12.0
+    _, p1, margin = draft_stats(logits, logits.argmax(-1))
+    top2 = (logits.topk(2, dim=-1).values - logits.logsumexp(-1, keepdim=True)).exp()
+    torch.testing.assert_close(p1, top2[..., 0])
+    torch.testing.assert_close(margin, top2[..., 0] - top2[..., 1])
+    assert margin[2, 2] == 0
