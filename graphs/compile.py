@@ -5,7 +5,7 @@ The StepRunner (graphs/runner.py) compiles every step with `_skinny_backend(_pac
     w_gate_up, w_down, the LM head: fastspec/weights.py big_linear_weights) for the active kernel's
     `skinny_linear` on a copy of that weight packed into column panels (graphs/kernels.py) at the
     model's weight precision (fp32, bf16, or int8 + per-output scales), and likewise every F.linear
-    on the draft adapter's fused inference LoRA (A and B, always fp32: aten's mm costs ~25 us a
+    on the draft adapter's fused inference LoRA (A and B; fp32, bf16 under bf16/int8 weights: aten's mm costs ~25 us a
     call on these shapes); a projection with its LoRA (`linear(x, W) + linear(linear(x, A), B)
     * gate`, `_lora_sites`) becomes one `skinny_lora_linear` first (one call, not three GEMMs
     and two pointwise ops: a draft forward's 12 GEMM calls a layer become 4); everything else
@@ -83,14 +83,23 @@ def _pack_model(model: nn.Module, kernel: "kernels.Kernel") -> dict[int, Packed]
         if p.dim() == 2 and p.dtype == torch.float32 and p.device.type == "cpu":
             panels, s = kernel.pack(p, precision, scales.get(name) if precision == "int8" else None)
             packed[id(p)] = Packed(panels, s, p.shape[0], p)
+    lora = lora_precision(precision)
     for module in model.modules():
         if isinstance(module, FusedLoRA):
             for w in (module.A, module.B):
                 if w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu":
-                    panels, _ = kernel.pack(w, "fp32")
+                    panels, _ = kernel.pack(w, lora)
                     packed[id(w)] = Packed(panels, None, w.shape[0], w,
-                                           kernel.pack_lora_b(w) if w is module.B else None)
+                                           kernel.pack_lora_b(w, lora) if w is module.B else None)
     return packed
+
+
+def lora_precision(weights: str) -> str:
+    """The draft adapter's LoRA panels: bf16 under bf16 or int8 weights (half the bytes of its
+    fp32 form, which was 27% of a bf16 forward's weight bytes and 55% of an int8 one's before its
+    B lost its zero blocks), else fp32. Only drafts read them: verification, and so every
+    output, never does."""
+    return "bf16" if weights in ("bf16", "int8") else "fp32"
 
 
 def _rewrite_kv_writes(gm: torch.fx.GraphModule, inputs: set) -> int:

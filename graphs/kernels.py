@@ -277,7 +277,8 @@ constexpr int64_t prefetch_distance(int64_t M) {
 struct LoraTail {
   const float* u;           // [M, ldu]
   int64_t ldu;
-  const float* b;           // the compact panels, one after another
+  const void* b;            // the compact panels, one after another: fp32, or bf16 when b16
+  bool b16;
   const int64_t* index;     // [panels, 3]
   const float* gate;        // [M]: the adapter flag of each row
 };
@@ -287,6 +288,7 @@ void panels(const WT* packed, const float* scales, const float* x, float* y, int
             int64_t O, int64_t b0, int64_t b1, const LoraTail* lora = nullptr) {
   static constexpr auto K = table<WT>(std::make_index_sequence<MR_MAX>{});
   static constexpr auto KF = table<float>(std::make_index_sequence<MR_MAX>{});
+  static constexpr auto KH = table<uint16_t>(std::make_index_sequence<MR_MAX>{});
   const int64_t tiles = (M + MR_MAX - 1) / MR_MAX;
   const int64_t kc = tiles == 1 ? I : KC;
   const bool pf = prefetch_on<WT>(M);
@@ -312,11 +314,16 @@ void panels(const WT* packed, const float* scales, const float* x, float* y, int
     if (lnr > 0) {
       // The LoRA term in its own sums, added after the scaled base: the same arithmetic as
       // y = x W^T + (u B^T) * gate run as separate ops (bit for bit).
-      const float* lb = lora->b + lora->index[3 * b];
+      const int64_t off = lora->index[3 * b];
       const float* lu = lora->u + lora->index[3 * b + 1];
       for (int64_t t = 0, m0 = 0; t < tiles; t++) {
         const int64_t mr = M / tiles + (t < M % tiles ? 1 : 0);
-        KF[mr](lb, lu + m0 * lora->ldu, lora->ldu, 0, lnr, c2 + m0 * PANEL, false, nullptr);
+        if (lora->b16)
+          KH[mr](static_cast<const uint16_t*>(lora->b) + off, lu + m0 * lora->ldu, lora->ldu, 0, lnr,
+                 c2 + m0 * PANEL, false, nullptr);
+        else
+          KF[mr](static_cast<const float*>(lora->b) + off, lu + m0 * lora->ldu, lora->ldu, 0, lnr,
+                 c2 + m0 * PANEL, false, nullptr);
         m0 += mr;
       }
       for (int64_t m = 0; m < M; m++) {
@@ -387,8 +394,9 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed,
 }
 
 // y = x @ W^T + gate * ((x @ A^T) @ B^T): a projection with the draft adapter's fused LoRA in
-// one call (3 calls and 2 pointwise ops before). W as for skinny_linear; A packed as fp32 panels
-// [ceil(R/PANEL), I, PANEL]; B as LoraTail describes (Kernel.pack_lora_b); gate [M], one per row.
+// one call (3 calls and 2 pointwise ops before). W as for skinny_linear; A packed as panels
+// [ceil(R/PANEL), I, PANEL] and B as LoraTail describes (Kernel.pack_lora_b), both fp32 or both
+// bf16; gate [M], one per row.
 at::Tensor skinny_lora_linear(const at::Tensor& x, const at::Tensor& packed,
                               const c10::optional<at::Tensor>& scales, int64_t out_features,
                               const at::Tensor& a_packed, const at::Tensor& b_packed,
@@ -408,15 +416,16 @@ at::Tensor skinny_lora_linear(const at::Tensor& x, const at::Tensor& packed,
   } else {
     TORCH_CHECK(!scales.has_value(), "skinny_lora_linear: scales go with int8 panels only");
   }
+  const bool lora16 = a_packed.scalar_type() == at::kBFloat16;
   TORCH_CHECK(a_packed.dim() == 3 && a_packed.size(1) == I && a_packed.size(2) == PANEL
-              && a_packed.scalar_type() == at::kFloat && a_packed.is_contiguous(),
-              "skinny_lora_linear: A is not fp32 panels [panels, ", I, ", ", PANEL, "]");
+              && (lora16 || a_packed.scalar_type() == at::kFloat) && a_packed.is_contiguous(),
+              "skinny_lora_linear: A is not fp32 or bf16 panels [panels, ", I, ", ", PANEL, "]");
   const int64_t R = a_packed.size(0) * PANEL;
   TORCH_CHECK(b_index.dim() == 2 && b_index.size(0) == nb && b_index.size(1) == 3
               && b_index.scalar_type() == at::kLong && b_index.is_contiguous(),
               "skinny_lora_linear: B index must be int64 [", nb, ", 3]");
-  TORCH_CHECK(b_packed.dim() == 1 && b_packed.scalar_type() == at::kFloat && b_packed.is_contiguous(),
-              "skinny_lora_linear: B must be fp32 compact panels");
+  TORCH_CHECK(b_packed.dim() == 1 && b_packed.scalar_type() == a_packed.scalar_type() && b_packed.is_contiguous(),
+              "skinny_lora_linear: B must be compact panels of A's dtype");
   const int64_t* bi = b_index.data_ptr<int64_t>();
   for (int64_t b = 0; b < nb; b++)
     TORCH_CHECK(bi[3 * b] >= 0 && bi[3 * b + 1] >= 0 && bi[3 * b + 2] >= 0 && bi[3 * b + 1] + bi[3 * b + 2] <= R
@@ -434,11 +443,13 @@ at::Tensor skinny_lora_linear(const at::Tensor& x, const at::Tensor& packed,
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   std::vector<float> u(M * R);
-  const float* ap = a_packed.data_ptr<float>();
   at::parallel_for(0, a_packed.size(0), 1, [&](int64_t b0, int64_t b1) {
-    panels(ap, nullptr, xp, u.data(), M, I, R, b0, b1);
+    if (lora16)
+      panels(reinterpret_cast<const uint16_t*>(a_packed.data_ptr()), nullptr, xp, u.data(), M, I, R, b0, b1);
+    else
+      panels(a_packed.data_ptr<float>(), nullptr, xp, u.data(), M, I, R, b0, b1);
   });
-  const LoraTail lora{u.data(), R, b_packed.data_ptr<float>(), bi, gc.data_ptr<float>()};
+  const LoraTail lora{u.data(), R, b_packed.data_ptr(), lora16, bi, gc.data_ptr<float>()};
   auto run = [&](auto* wp) {
     at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
       panels(wp, sp, xp, yp, M, I, O, b0, b1, &lora);
@@ -906,8 +917,8 @@ class Kernel:
                out_features: int) -> torch.Tensor:
         return self.ops.skinny_linear(x, packed, scales, out_features)
 
-    def pack_lora_b(self, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A LoRA's [out, rank] B (fp32) -> (compact panels, index [panels, 3]) for
+    def pack_lora_b(self, b: torch.Tensor, precision: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
+        """A LoRA's [out, rank] B -> (compact panels, fp32 or bf16, index [panels, 3]) for
         skinny_lora_linear: each output panel keeps only the columns of B its rows use,
         `[nr, panel]` at `offset`, and index[b] = (offset, r0, nr). A fused q/k/v B, panel 32:
 
@@ -934,7 +945,9 @@ class Kernel:
                 index.append((offset, r0, r1 - r0))
                 offset += (r1 - r0) * self.panel
             compact = torch.cat(blocks) if blocks else b.new_zeros(0)
-            return compact.contiguous(), torch.tensor(index, dtype=torch.long)
+            if precision not in ("fp32", "bf16"):
+                raise ValueError(f"a LoRA's B packs as fp32 or bf16, not {precision!r}")
+            return compact.to(_PANEL_DTYPE[precision]).contiguous(), torch.tensor(index, dtype=torch.long)
 
     def lora_linear(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | None,
                     out_features: int, a_packed: torch.Tensor, b_packed: torch.Tensor,

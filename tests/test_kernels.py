@@ -102,8 +102,11 @@ def block_diagonal_b(parts: list[tuple[int, int]], g: torch.Generator) -> torch.
 def test_lora_linear_is_the_three_gemms_it_replaces_bit_for_bit(isa, precision):
     """skinny_lora_linear = skinny(x, W) + skinny(skinny(x, A), B) * gate, the same bits, for
     every row count 1..16, block-diagonal B whose parts straddle panels or skip a part (no LoRA
-    on k), gates of 0 and 1 (the seed row runs without the adapter); and to fp32 accumulation
-    error of x W^T + gate (x A^T) B^T in double."""
+    on k), gates of 0 and 1 (the seed row runs without the adapter), the LoRA at the precision
+    `_pack_model` gives it under these weights (bf16 under bf16 and int8); and to fp32
+    accumulation error of x W^T + gate (x A^T) B^T in double, A and B as packed."""
+    from fastspec.graphs.compile import lora_precision
+    lora = lora_precision(precision)
     k = kernels.load(isa)
     g = torch.Generator().manual_seed(1)
     for in_features, parts in [(64, [(k.panel * 2, 8), (k.panel, 0), (k.panel, 8)]),
@@ -113,10 +116,13 @@ def test_lora_linear_is_the_three_gemms_it_replaces_bit_for_bit(isa, precision):
         out_features, rank = b.shape
         w, s = rounded_weight(out_features, in_features, precision, g)
         a = torch.randn(rank, in_features, generator=g)
+        if lora == "bf16":
+            a, b = a.bfloat16().float(), b.bfloat16().float()
         panels, scales = k.pack(w, precision, s)
-        a_panels, _ = k.pack(a)
-        b_panels, _ = k.pack(b)
-        compact, index = k.pack_lora_b(b)
+        a_panels, _ = k.pack(a, lora)
+        b_panels, _ = k.pack(b, lora)
+        compact, index = k.pack_lora_b(b, lora)
+        assert a_panels.dtype == compact.dtype == {"fp32": torch.float32, "bf16": torch.bfloat16}[lora]
         assert compact.numel() < b_panels.numel() or len(parts) == 1   # the zero blocks are gone
         for rows in range(1, 17):
             x = torch.randn(rows, in_features, generator=g)
@@ -636,6 +642,30 @@ def test_packing_follows_the_model_precision_exactly(precision):
         pw = packed[id(p)]
         assert pw.panels.dtype == {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}[precision]
         assert torch.equal(k.unpack(pw.panels, pw.scales, pw.out_features), p)
+
+
+@needs_kernel
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_the_draft_lora_packs_at_bf16_under_low_precision_weights(precision):
+    """The fused LoRA's A and B pack as bf16 (rounded to nearest) under bf16 and int8 weights,
+    as fp32 under fp32; B's compact form holds the same numbers as its panels."""
+    from fastspec.draft import fuse_adapter
+    from fastspec.model.llama import FusedLoRA
+    k = kernels.load(ISAS[0])
+    t = tiny_drafter()
+    apply_weight_precision(t.model, precision)
+    fuse_adapter(t.model)
+    packed = _pack_model(t.model, k)
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    fused = [m for m in t.model.modules() if isinstance(m, FusedLoRA)]
+    assert fused
+    for m in fused:
+        for w in (m.A, m.B):
+            pw = packed[id(w)]
+            assert pw.panels.dtype == dtype
+            assert torch.equal(k.unpack(pw.panels, None, pw.out_features), w.to(dtype).float())
+        compact, index = packed[id(m.B)].lora_b
+        assert compact.dtype == dtype and index.shape == (-(-m.B.shape[0] // k.panel), 3)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
