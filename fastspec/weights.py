@@ -16,7 +16,9 @@ AR of the rounded model (not of the original fp32 model, whose greedy text may d
 
 Rounded: the big linears (attention wqkv / wo, MLP w_gate_up / w_down, the LM head — the tied
 embedding when the head is tied). Not rounded: norms, biases, the untied embedding table (a
-lookup, not a stream), the draft adapter (LoRA, MASK embedding). The int8 scales are kept on the
+lookup, not a stream), the draft adapter (LoRA, MASK embedding; the CPU kernel packs its fused
+LoRA as bf16 under bf16 and int8 weights, graphs/compile.py `lora_precision`: compiled drafts may
+then differ from eager ones in the last bits, which verification never reads). The int8 scales are kept on the
 model (`model.weight_scales[name]`) so packing recovers q exactly. Rounding cannot be undone:
 reload the model to go back to fp32.
 
