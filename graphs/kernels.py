@@ -354,42 +354,52 @@ void panels(const WT* packed, const float* scales, const float* x, float* y, int
 
 #ifndef FASTSPEC_NO_TORCH
 
-at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed,
-                         const c10::optional<at::Tensor>& scales, int64_t out_features) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "skinny_linear: fp32 activations only");
+// The checks both GEMM ops make on x and a packed weight; returns the int8 scales (else null).
+const float* checked_weight(const char* op, const at::Tensor& x, const at::Tensor& packed,
+                            const c10::optional<at::Tensor>& scales, int64_t out_features) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": fp32 activations only");
   const int64_t I = x.size(-1);
-  TORCH_CHECK(I > 0, "skinny_linear: no input features");
+  TORCH_CHECK(I > 0, op, ": no input features");
   TORCH_CHECK(packed.dim() == 3 && packed.size(1) == I && packed.size(2) == PANEL && packed.is_contiguous(),
-              "skinny_linear: packed weight is not [panels, ", I, ", ", PANEL, "] for this ISA");
+              op, ": packed weight is not [panels, ", I, ", ", PANEL, "] for this ISA");
   const int64_t O = out_features, nb = packed.size(0);
-  TORCH_CHECK(O > 0 && nb * PANEL >= O && (nb - 1) * PANEL < O, "skinny_linear: bad out_features");
-  const float* sp = nullptr;
-  if (packed.scalar_type() == at::kChar) {
-    TORCH_CHECK(scales.has_value() && scales->scalar_type() == at::kFloat && scales->is_contiguous()
-                && scales->numel() == nb * PANEL, "skinny_linear: int8 panels need fp32 scales [panels * PANEL]");
-    sp = scales->data_ptr<float>();
-  } else {
-    TORCH_CHECK(!scales.has_value(), "skinny_linear: scales go with int8 panels only");
+  TORCH_CHECK(O > 0 && nb * PANEL >= O && (nb - 1) * PANEL < O, op, ": bad out_features");
+  if (packed.scalar_type() != at::kChar) {
+    TORCH_CHECK(!scales.has_value(), op, ": scales go with int8 panels only");
+    return nullptr;
   }
-  auto xc = x.contiguous();
-  const int64_t M = xc.numel() / I;
-  auto out_shape = x.sizes().vec();
-  out_shape.back() = O;
-  auto y = at::empty(out_shape, xc.options());
-  if (M == 0) return y;
-  const float* xp = xc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  TORCH_CHECK(scales.has_value() && scales->scalar_type() == at::kFloat && scales->is_contiguous()
+              && scales->numel() == nb * PANEL, op, ": int8 panels need fp32 scales [panels * PANEL]");
+  return scales->data_ptr<float>();
+}
+
+// y[M, O] = x @ W^T (+ the LoRA tail) over all of W's panels, threads splitting the panels.
+void run_panels(const char* op, const at::Tensor& packed, const float* sp, const float* xp, float* yp,
+                int64_t M, int64_t I, int64_t O, const LoraTail* lora = nullptr) {
   auto run = [&](auto* wp) {
-    at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
-      panels(wp, sp, xp, yp, M, I, O, b0, b1);
+    at::parallel_for(0, packed.size(0), 1, [&](int64_t b0, int64_t b1) {
+      panels(wp, sp, xp, yp, M, I, O, b0, b1, lora);
     });
   };
   switch (packed.scalar_type()) {
     case at::kFloat: run(packed.data_ptr<float>()); break;
     case at::kBFloat16: run(reinterpret_cast<const uint16_t*>(packed.data_ptr())); break;
     case at::kChar: run(packed.data_ptr<int8_t>()); break;
-    default: TORCH_CHECK(false, "skinny_linear: panels must be float32, bfloat16 or int8");
+    default: TORCH_CHECK(false, op, ": panels must be float32, bfloat16 or int8");
   }
+}
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const c10::optional<at::Tensor>& scales, int64_t out_features) {
+  const float* sp = checked_weight("skinny_linear", x, packed, scales, out_features);
+  const int64_t I = x.size(-1), O = out_features;
+  auto xc = x.contiguous();
+  const int64_t M = xc.numel() / I;
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = O;
+  auto y = at::empty(out_shape, xc.options());
+  if (M == 0) return y;
+  run_panels("skinny_linear", packed, sp, xc.data_ptr<float>(), y.data_ptr<float>(), M, I, O);
   return y;
 }
 
@@ -401,21 +411,8 @@ at::Tensor skinny_lora_linear(const at::Tensor& x, const at::Tensor& packed,
                               const c10::optional<at::Tensor>& scales, int64_t out_features,
                               const at::Tensor& a_packed, const at::Tensor& b_packed,
                               const at::Tensor& b_index, const at::Tensor& gate) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "skinny_lora_linear: fp32 activations only");
-  const int64_t I = x.size(-1);
-  TORCH_CHECK(I > 0, "skinny_lora_linear: no input features");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == I && packed.size(2) == PANEL && packed.is_contiguous(),
-              "skinny_lora_linear: packed weight is not [panels, ", I, ", ", PANEL, "] for this ISA");
-  const int64_t O = out_features, nb = packed.size(0);
-  TORCH_CHECK(O > 0 && nb * PANEL >= O && (nb - 1) * PANEL < O, "skinny_lora_linear: bad out_features");
-  const float* sp = nullptr;
-  if (packed.scalar_type() == at::kChar) {
-    TORCH_CHECK(scales.has_value() && scales->scalar_type() == at::kFloat && scales->is_contiguous()
-                && scales->numel() == nb * PANEL, "skinny_lora_linear: int8 panels need fp32 scales [panels * PANEL]");
-    sp = scales->data_ptr<float>();
-  } else {
-    TORCH_CHECK(!scales.has_value(), "skinny_lora_linear: scales go with int8 panels only");
-  }
+  const float* sp = checked_weight("skinny_lora_linear", x, packed, scales, out_features);
+  const int64_t I = x.size(-1), O = out_features, nb = packed.size(0);
   const bool lora16 = a_packed.scalar_type() == at::kBFloat16;
   TORCH_CHECK(a_packed.dim() == 3 && a_packed.size(1) == I && a_packed.size(2) == PANEL
               && (lora16 || a_packed.scalar_type() == at::kFloat) && a_packed.is_contiguous(),
@@ -450,17 +447,7 @@ at::Tensor skinny_lora_linear(const at::Tensor& x, const at::Tensor& packed,
       panels(a_packed.data_ptr<float>(), nullptr, xp, u.data(), M, I, R, b0, b1);
   });
   const LoraTail lora{u.data(), R, b_packed.data_ptr(), lora16, bi, gc.data_ptr<float>()};
-  auto run = [&](auto* wp) {
-    at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
-      panels(wp, sp, xp, yp, M, I, O, b0, b1, &lora);
-    });
-  };
-  switch (packed.scalar_type()) {
-    case at::kFloat: run(packed.data_ptr<float>()); break;
-    case at::kBFloat16: run(reinterpret_cast<const uint16_t*>(packed.data_ptr())); break;
-    case at::kChar: run(packed.data_ptr<int8_t>()); break;
-    default: TORCH_CHECK(false, "skinny_lora_linear: panels must be float32, bfloat16 or int8");
-  }
+  run_panels("skinny_lora_linear", packed, sp, xp, yp, M, I, O, &lora);
   return y;
 }
 
