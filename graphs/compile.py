@@ -5,8 +5,8 @@ The StepRunner (graphs/runner.py) compiles every step with `_skinny_backend(_pac
     w_gate_up, w_down, the LM head: fastspec/weights.py big_linear_weights) for the active kernel's
     `skinny_linear` on a copy of that weight packed into column panels (graphs/kernels.py) at the
     model's weight precision (fp32, bf16, or int8 + per-output scales), and likewise every F.linear
-    on the draft adapter's fused inference LoRA (A and B; fp32, bf16 under bf16/int8 weights: aten's mm costs ~25 us a
-    call on these shapes); a projection with its LoRA (`linear(x, W) + linear(linear(x, A), B)
+    on the draft adapter's fused inference LoRA (A and B; fp32, bf16 under bf16/int8 weights:
+    aten's mm costs ~25 us a call on these shapes); a projection with its LoRA (`linear(x, W) + linear(linear(x, A), B)
     * gate`, `_lora_sites`) becomes one `skinny_lora_linear` first (one call, not three GEMMs
     and two pointwise ops: a draft forward's 12 GEMM calls a layer become 4); everything else
     (norms, RoPE, embedding) is left to inductor, which fuses the pointwise work;
@@ -266,6 +266,12 @@ def _rewrite_regions(gm: torch.fx.GraphModule, packed_for, packed_inputs, lora_i
                 site.args = (*site.args, value)
             return node
 
+        def weight_inputs(packs: list[Packed]) -> tuple[torch.fx.Node, torch.fx.Node | None]:
+            """Region inputs for one packed weight per call: its panels, and its int8 scales."""
+            given = [packed_inputs(pw) for pw in packs]
+            panels = new_input([p for p, _ in given])
+            return panels, None if packs[0].scales is None else new_input([sc for _, sc in given])
+
         for lora in _lora_sites(sub.graph):
             if not all(n in inputs for n in (lora.weight, lora.a, lora.b)):
                 continue
@@ -274,10 +280,8 @@ def _rewrite_regions(gm: torch.fx.GraphModule, packed_for, packed_inputs, lora_i
             if any(p is None for ps in packs for p in ps) or any(ps[2].lora_b is None for ps in packs) \
                     or len({(ps[0].out_features, ps[0].scales is None) for ps in packs}) != 1:
                 continue
-            w_in = [packed_inputs(ps[0]) for ps in packs]
-            panels = new_input([p for p, _ in w_in])
-            scales = None if packs[0][0].scales is None else new_input([sc for _, sc in w_in])
-            a_panels = new_input([packed_inputs(ps[1])[0] for ps in packs])
+            panels, scales = weight_inputs([ps[0] for ps in packs])
+            a_panels, _ = weight_inputs([ps[1] for ps in packs])
             b_in = [lora_inputs(ps[2]) for ps in packs]
             _to_lora(sub.graph, lora, kernel, panels, scales, packs[0][0].out_features, a_panels,
                      new_input([c for c, _ in b_in]), new_input([i for _, i in b_in]))
@@ -289,18 +293,7 @@ def _rewrite_regions(gm: torch.fx.GraphModule, packed_for, packed_inputs, lora_i
             packs = [packed_for(site.args[2 + j]) for site in sites]
             if any(p is None for p in packs) or len({(p.out_features, p.scales is None) for p in packs}) != 1:
                 continue
-            with sub.graph.inserting_after(inputs[-1]):
-                panels = sub.graph.placeholder(f"fastspec_panels_{count}")
-            inputs.append(panels)
-            scales = None
-            if packs[0].scales is not None:
-                with sub.graph.inserting_after(panels):
-                    scales = sub.graph.placeholder(f"fastspec_scales_{count}")
-                inputs.append(scales)
-            _to_skinny(sub.graph, node, kernel, panels, scales, packs[0].out_features)
-            for site, pw in zip(sites, packs):
-                p, sc = packed_inputs(pw)
-                site.args = (*site.args, p) + (() if sc is None else (sc,))
+            _to_skinny(sub.graph, node, kernel, *weight_inputs(packs), packs[0].out_features)
             count += 1
         _swap_attention(sub.graph, kernel)
         sub.graph.lint()
