@@ -462,21 +462,40 @@ at::Tensor skinny_lora_linear(const at::Tensor& x, const at::Tensor& packed,
 // the batch or on how many tokens share its forward (a verify row equals AR's). A query that
 // sees no column gets zeros (the engine never builds one: padded rows see their own column).
 //
-// The queries of one K/V head (N tokens x G heads) share its K and V rows: a task takes a chunk
-// of up to QK_CHUNK of them and streams K and V once for the chunk, not once per query (alone,
-// each query re-read 64 KB of K and of V from L2 at ctx 256, D 64: most of its time). Chunking
-// changes which loads are shared, never a query's arithmetic:
+// The queries of one K/V head (N tokens x G heads) share its K and V rows: a task takes up to QT
+// of them, and within it chunks of QK_CHUNK (scores) and PV_CHUNK (p @ V) share each K and V
+// load. Tasks and chunks change which loads are shared, never a query's arithmetic:
 //   queries of K/V head 0 at N = 2, G = 3:  j = 0..5 -> (n, h) = (0,0) (0,1) (0,2) (1,0) (1,1) (1,2)
 //   QK_CHUNK 4:                             chunks [j0 j1 j2 j3] [j4 j5]
-// Scores take four columns at a time (four independent FMA chains per query); the mask, max and
-// sum run over whole vectors of columns; p @ V keeps two interleaved sums per output vector (even
-// and odd columns), for PV_CHUNK queries at a time, that share each V load.
+// Scores take four columns at a time (four independent FMA chains per query) for every chunk in
+// turn, so K streams from L2 once per task; the mask, max and sum run over whole vectors of
+// columns; p @ V keeps two interleaved sums per output vector (even and odd columns), in blocks
+// of PV_BLOCK columns that every chunk takes in turn (V too streams once per task).
+// One 8-token forward's layer call (9 heads over 3 of 64, ctx 264, 2 threads, Xeon): 88 -> 53 us
+// with the head dim at compile time (accumulators in registers, not on the stack), V loads kept
+// in registers, and a token's mask read once for its G heads (python -m fastspec.graphs.attn_ab).
 using Vf = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = Vf::size();
 // Accumulators in registers: scores NQ x 4 columns (+4 K vectors), p @ V PQ x 2 x 4 vectors (+8
 // V vectors). AVX2 has 16 registers, AVX-512 and NEON 32.
 constexpr int QK_CHUNK = kLanes == 8 ? 2 : 4;
 constexpr int PV_CHUNK = kLanes == 8 ? 1 : 2;
+
+// v, kept in a register: a vector loaded once and used by several FMAs is otherwise folded into
+// each FMA as a memory operand (one load per use: p @ V then waits on the load ports).
+FS_INLINE Vf in_register(Vf v) {
+#if defined(__AVX512F__) && defined(CPU_CAPABILITY_AVX512)
+  __m512 r = v;
+  __asm__("" : "+v"(r));
+  return r;
+#elif defined(__AVX__) && defined(CPU_CAPABILITY_AVX2)
+  __m256 r = v;
+  __asm__("" : "+x"(r));
+  return r;
+#else
+  return v;
+#endif
+}
 
 FS_INLINE float reduce_sum(Vf a) {
   return at::vec::vec_reduce_all<float>([](Vf& x, Vf& y) { return x + y; }, a);
@@ -514,52 +533,85 @@ FS_INLINE Vf transposed_sums(Vf* x) {
   return x[0];
 }
 
-// p[q][c] = scale * q_q . K[c] for the NQ queries `qs`, every column c < ctx.
-template <int NQ>
-FS_INLINE void chunk_scores(const float* const* qs, const float* K, int64_t ctx, int64_t D, float sf,
-                            float* p, int64_t pstride) {
+// p[q][c .. c+3] = scale * q_q . K[c .. c+3] for the NQ queries `qs`, k0 = K + c * D.
+// DC: the head dim when known at compile time (0: D at run time). With it the loop over D unrolls
+// fully and GCC keeps the accumulators in registers (over a run-time D it keeps them on the stack,
+// a load and a store around every FMA).
+template <int NQ, int DC>
+FS_INLINE void scores4(const float* const* qs, const float* k0, int64_t D_, float sf, float* p,
+                       int64_t pstride) {
+  const int64_t D = DC > 0 ? DC : D_;
   // Four columns x NQ queries of accumulators, summed kLanes at a time. Accumulator a = q * 4 + j
   // (query q, column c + j) sits at slot_of(a), so that lane a % kLanes of transposed sum
   // a / kLanes holds it: lanes 4q .. 4q+3 are query q's four scores, stored as one piece.
   // (Indexed only by loops that unroll fully: GCC then keeps them in registers.)
   constexpr int kAcc = (NQ * 4 + kLanes - 1) / kLanes * kLanes;
   const int64_t dv = D - D % kLanes;
-  int64_t c = 0;
-  for (; c + 4 <= ctx; c += 4) {
-    const float* k0 = K + c * D;
-    Vf x[kAcc];
+  Vf x[kAcc];
 #pragma GCC unroll 16
-    for (int i = 0; i < kAcc; i++) x[i] = Vf(0.f);
-    for (int64_t d = 0; d < dv; d += kLanes) {
-      const Vf k0d = Vf::loadu(k0 + d), k1d = Vf::loadu(k0 + D + d), k2d = Vf::loadu(k0 + 2 * D + d),
-               k3d = Vf::loadu(k0 + 3 * D + d);
+  for (int i = 0; i < kAcc; i++) x[i] = Vf(0.f);
+#pragma GCC unroll 16
+  for (int64_t d = 0; d < dv; d += kLanes) {
+    const Vf k0d = in_register(Vf::loadu(k0 + d)), k1d = in_register(Vf::loadu(k0 + D + d)),
+             k2d = in_register(Vf::loadu(k0 + 2 * D + d)), k3d = in_register(Vf::loadu(k0 + 3 * D + d));
 #pragma GCC unroll 4
-      for (int q = 0; q < NQ; q++) {
-        const Vf qv = Vf::loadu(qs[q] + d);
-        x[slot_of(q * 4 + 0)] = at::vec::fmadd(qv, k0d, x[slot_of(q * 4 + 0)]);
-        x[slot_of(q * 4 + 1)] = at::vec::fmadd(qv, k1d, x[slot_of(q * 4 + 1)]);
-        x[slot_of(q * 4 + 2)] = at::vec::fmadd(qv, k2d, x[slot_of(q * 4 + 2)]);
-        x[slot_of(q * 4 + 3)] = at::vec::fmadd(qv, k3d, x[slot_of(q * 4 + 3)]);
-      }
+    for (int q = 0; q < NQ; q++) {
+      const Vf qv = in_register(Vf::loadu(qs[q] + d));
+      x[slot_of(q * 4 + 0)] = at::vec::fmadd(qv, k0d, x[slot_of(q * 4 + 0)]);
+      x[slot_of(q * 4 + 1)] = at::vec::fmadd(qv, k1d, x[slot_of(q * 4 + 1)]);
+      x[slot_of(q * 4 + 2)] = at::vec::fmadd(qv, k2d, x[slot_of(q * 4 + 2)]);
+      x[slot_of(q * 4 + 3)] = at::vec::fmadd(qv, k3d, x[slot_of(q * 4 + 3)]);
     }
-    alignas(64) float r[kAcc];
-    if (dv == D) {
-#pragma GCC unroll 4
-      for (int g = 0; g < kAcc / kLanes; g++) (transposed_sums(x + g * kLanes) * Vf(sf)).store(r + g * kLanes);
-    } else {   // a head dim that is not whole vectors: its last lanes one by one, then the scale
-#pragma GCC unroll 4
-      for (int g = 0; g < kAcc / kLanes; g++) transposed_sums(x + g * kLanes).store(r + g * kLanes);
-      for (int a = 0; a < NQ * 4; a++) {
-        for (int64_t d = dv; d < D; d++) r[a] += qs[a / 4][d] * k0[(a % 4) * D + d];
-        r[a] *= sf;
-      }
-    }
-#pragma GCC unroll 4
-    for (int q = 0; q < NQ; q++) std::memcpy(p + q * pstride + c, r + q * 4, 4 * sizeof(float));
   }
+  alignas(64) float r[kAcc];
+  if (dv == D) {
+#pragma GCC unroll 4
+    for (int g = 0; g < kAcc / kLanes; g++) (transposed_sums(x + g * kLanes) * Vf(sf)).store(r + g * kLanes);
+  } else {   // a head dim that is not whole vectors: its last lanes one by one, then the scale
+#pragma GCC unroll 4
+    for (int g = 0; g < kAcc / kLanes; g++) transposed_sums(x + g * kLanes).store(r + g * kLanes);
+    for (int a = 0; a < NQ * 4; a++) {
+      for (int64_t d = dv; d < D; d++) r[a] += qs[a / 4][d] * k0[(a % 4) * D + d];
+      r[a] *= sf;
+    }
+  }
+#pragma GCC unroll 4
+  for (int q = 0; q < NQ; q++) std::memcpy(p + q * pstride, r + q * 4, 4 * sizeof(float));
+}
+
+// scores4<nq> for a run-time nq <= NQ (only the instances this ISA's chunks can reach).
+template <int NQ, int DC>
+FS_INLINE void scores4_of(int64_t nq, const float* const* qs, const float* k0, int64_t D, float sf,
+                          float* p, int64_t pstride) {
+  if constexpr (NQ > 1)
+    if (nq < NQ) return scores4_of<NQ - 1, DC>(nq, qs, k0, D, sf, p, pstride);
+  scores4<NQ, DC>(qs, k0, D, sf, p, pstride);
+}
+
+// p[q][c] = scale * q_q . K[c] for nq queries, every column c < ctx. The columns go four at a
+// time (K's four rows, 1 KB at D 64, stay in L1 while every chunk of QK_CHUNK queries takes them:
+// K streams from L2 once per call of this, not once per chunk); the last ctx % 4 one by one.
+template <int DC>
+FS_INLINE int64_t scores_by_four(int64_t nq, const float* const* qs, const float* K, int64_t ctx, int64_t D,
+                                 float sf, float* p, int64_t pstride) {
+  int64_t c = 0;
+  for (; c + 4 <= ctx; c += 4)
+    for (int64_t i = 0; i < nq; i += QK_CHUNK)
+      scores4_of<QK_CHUNK, DC>(std::min<int64_t>(QK_CHUNK, nq - i), qs + i, K + c * D, D, sf,
+                               p + i * pstride + c, pstride);
+  return c;
+}
+
+FS_INLINE void scores(int64_t nq, const float* const* qs, const float* K, int64_t ctx, int64_t D, float sf,
+                      float* p, int64_t pstride) {
+  const int64_t dv = D - D % kLanes;
+  // Head dims of common models at compile time (the same arithmetic either way).
+  int64_t c = D == 64    ? scores_by_four<64>(nq, qs, K, ctx, D, sf, p, pstride)
+              : D == 128 ? scores_by_four<128>(nq, qs, K, ctx, D, sf, p, pstride)
+                         : scores_by_four<0>(nq, qs, K, ctx, D, sf, p, pstride);
   for (; c < ctx; c++) {
     const float* k0 = K + c * D;
-    for (int q = 0; q < NQ; q++) {
+    for (int64_t q = 0; q < nq; q++) {
       Vf a0(0.f);
       for (int64_t d = 0; d < dv; d += kLanes) a0 = at::vec::fmadd(Vf::loadu(qs[q] + d), Vf::loadu(k0 + d), a0);
       float r = reduce_sum(a0);
@@ -569,15 +621,21 @@ FS_INLINE void chunk_scores(const float* const* qs, const float* K, int64_t ctx,
   }
 }
 
-// Scores -> weights exp(s - max), exactly 0 where the query does not see the column; returns
-// their sum, or 0 when it sees none. `p` and the scratch `seen` hold whole vectors (ctx rounded up
-// to kLanes): seen[c] has all bits set where mask[c], and 0 past ctx, so the lanes past ctx load
-// whatever p holds there and blend it away.
-FS_INLINE float softmax_weights(float* p, const bool* mask, int64_t ctx, uint32_t* seen) {
+// seen[c] = all bits set where mask[c], 0 elsewhere and past ctx up to whole vectors (ctx rounded up
+// to kLanes): the blend mask of softmax_weights. One token's heads share it.
+FS_INLINE void mask_bits(const bool* mask, int64_t ctx, uint32_t* seen) {
+  const int64_t ctx_vec = (ctx + kLanes - 1) / kLanes * kLanes;
+  const uint8_t* m = reinterpret_cast<const uint8_t*>(mask);   // (bytes, not bool: this vectorizes)
+  for (int64_t c = 0; c < ctx; c++) seen[c] = 0u - static_cast<uint32_t>(m[c]);
+  for (int64_t c = ctx; c < ctx_vec; c++) seen[c] = 0u;
+}
+
+// Scores -> weights exp(s - max), exactly 0 where the query does not see the column (seen: its
+// mask_bits); returns their sum, or 0 when it sees none. `p` holds whole vectors, so the lanes
+// past ctx load whatever p holds there and blend it away.
+FS_INLINE float softmax_weights(float* p, const uint32_t* seen, int64_t ctx) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t ctx_vec = (ctx + kLanes - 1) / kLanes * kLanes;
-  for (int64_t c = 0; c < ctx; c++) seen[c] = 0u - static_cast<uint32_t>(mask[c]);   // (vectorizes)
-  for (int64_t c = ctx; c < ctx_vec; c++) seen[c] = 0u;
   Vf m(neg_inf);
   for (int64_t c = 0; c < ctx_vec; c += kLanes) {
     const Vf x = Vf::blendv(Vf(neg_inf), Vf::loadu(p + c), Vf::loadu(seen + c));
@@ -595,60 +653,92 @@ FS_INLINE float softmax_weights(float* p, const bool* mask, int64_t ctx, uint32_
   return reduce_sum(total);
 }
 
-// o_q[d0 : d0 + ND vectors] = sum_c p_q[c] V[c, same], for PQ queries sharing each V load.
+// acc_q[d0 : d0 + ND vectors] += sum_{c0 <= c < c1} p_q[c] V[c, same], for PQ queries sharing each
+// V load. acc_q holds two sums per output (even columns at acc_q[d], odd ones at acc_q[D + d]),
+// loaded and stored around the block: the same additions in the same order as sums kept in
+// registers over all columns (c0 even, so the pairs (c, c + 1) are the whole call's pairs; only
+// the last block may end on an odd column, which goes to the even sum).
 template <int PQ, int ND>
-FS_INLINE void chunk_pv(const float* const* ps, float* const* os, const float* V, int64_t ctx, int64_t D,
-                        int64_t d0) {
+FS_INLINE void pv_block(const float* const* ps, float* const* accs, const float* V, int64_t c0, int64_t c1,
+                        int64_t D, int64_t d0) {
   Vf e[PQ][ND], od[PQ][ND];
+#pragma GCC unroll 4
   for (int q = 0; q < PQ; q++)
-    for (int u = 0; u < ND; u++) e[q][u] = od[q][u] = Vf(0.f);
-  int64_t c = 0;
-  for (; c + 2 <= ctx; c += 2) {
-    const float* v0 = V + c * D + d0;
+#pragma GCC unroll 4
     for (int u = 0; u < ND; u++) {
-      const Vf x0 = Vf::loadu(v0 + u * kLanes), x1 = Vf::loadu(v0 + D + u * kLanes);
+      e[q][u] = Vf::loadu(accs[q] + d0 + u * kLanes);
+      od[q][u] = Vf::loadu(accs[q] + D + d0 + u * kLanes);
+    }
+  int64_t c = c0;
+  for (; c + 2 <= c1; c += 2) {
+    const float* v0 = V + c * D + d0;
+#pragma GCC unroll 4
+    for (int u = 0; u < ND; u++) {
+      const Vf x0 = in_register(Vf::loadu(v0 + u * kLanes)), x1 = in_register(Vf::loadu(v0 + D + u * kLanes));
+#pragma GCC unroll 4
       for (int q = 0; q < PQ; q++) {
         e[q][u] = at::vec::fmadd(Vf(ps[q][c]), x0, e[q][u]);
         od[q][u] = at::vec::fmadd(Vf(ps[q][c + 1]), x1, od[q][u]);
       }
     }
   }
-  if (c < ctx)
+  if (c < c1)
+#pragma GCC unroll 4
     for (int u = 0; u < ND; u++) {
       const Vf x0 = Vf::loadu(V + c * D + d0 + u * kLanes);
+#pragma GCC unroll 4
       for (int q = 0; q < PQ; q++) e[q][u] = at::vec::fmadd(Vf(ps[q][c]), x0, e[q][u]);
     }
+#pragma GCC unroll 4
   for (int q = 0; q < PQ; q++)
-    for (int u = 0; u < ND; u++) (e[q][u] + od[q][u]).store(os[q] + d0 + u * kLanes);
+#pragma GCC unroll 4
+    for (int u = 0; u < ND; u++) {
+      e[q][u].store(accs[q] + d0 + u * kLanes);
+      od[q][u].store(accs[q] + D + d0 + u * kLanes);
+    }
 }
 
 template <int PQ>
-FS_INLINE void chunk_output(const float* const* ps, float* const* os, const float* V, int64_t ctx,
-                            int64_t D) {
+FS_INLINE void pv_blocks(const float* const* ps, float* const* accs, const float* V, int64_t c0, int64_t c1,
+                         int64_t D) {
   const int64_t dv = D - D % kLanes;
   for (int64_t d0 = 0; d0 < dv; d0 += 4 * kLanes) {
     switch (std::min<int64_t>(4, (dv - d0) / kLanes)) {
-      case 4: chunk_pv<PQ, 4>(ps, os, V, ctx, D, d0); break;
-      case 3: chunk_pv<PQ, 3>(ps, os, V, ctx, D, d0); break;
-      case 2: chunk_pv<PQ, 2>(ps, os, V, ctx, D, d0); break;
-      default: chunk_pv<PQ, 1>(ps, os, V, ctx, D, d0); break;
+      case 4: pv_block<PQ, 4>(ps, accs, V, c0, c1, D, d0); break;
+      case 3: pv_block<PQ, 3>(ps, accs, V, c0, c1, D, d0); break;
+      case 2: pv_block<PQ, 2>(ps, accs, V, c0, c1, D, d0); break;
+      default: pv_block<PQ, 1>(ps, accs, V, c0, c1, D, d0); break;
     }
   }
-  for (int q = 0; q < PQ; q++)
-    for (int64_t d = dv; d < D; d++) {
-      float acc = 0.f;
-      for (int64_t c = 0; c < ctx; c++) acc += ps[q][c] * V[c * D + d];
-      os[q][d] = acc;
-    }
 }
 
-// chunk_scores<nq> for a run-time nq <= NQ (only the instances this ISA's chunks can reach).
-template <int NQ>
-FS_INLINE void scores_of_chunk(int64_t nq, const float* const* qs, const float* K, int64_t ctx, int64_t D,
-                               float sf, float* p, int64_t pstride) {
-  if constexpr (NQ > 1)
-    if (nq < NQ) return scores_of_chunk<NQ - 1>(nq, qs, K, ctx, D, sf, p, pstride);
-  chunk_scores<NQ>(qs, K, ctx, D, sf, p, pstride);
+// Columns of V per block of p @ V: 64 rows of D 64 are 16 KB, in L1 while every query of the task
+// takes them (V streams from L2 once per task, not once per PV_CHUNK queries). Even.
+constexpr int64_t PV_BLOCK = 64;
+// Queries per task: scores (QT x ctx) and sums (QT x 2D) of a task stay in L1/L2.
+constexpr int64_t QT = 12;
+
+// out_q = (sum_c p_q[c] V[c]) for the n queries `ps`: the even and odd sums per block of columns,
+// then their sum, then the tail dims (D % kLanes) one by one over every column.
+FS_INLINE void weighted_values(int64_t n, const float* const* ps, float* const* os, float* const* accs,
+                               const float* V, int64_t ctx, int64_t D) {
+  const int64_t dv = D - D % kLanes;
+  for (int64_t i = 0; i < n; i++) std::fill(accs[i], accs[i] + 2 * D, 0.f);
+  for (int64_t c0 = 0; c0 < ctx; c0 += PV_BLOCK) {
+    const int64_t c1 = std::min(ctx, c0 + PV_BLOCK);
+    int64_t i = 0;
+    for (; i + PV_CHUNK <= n; i += PV_CHUNK) pv_blocks<PV_CHUNK>(ps + i, accs + i, V, c0, c1, D);
+    for (; i < n; i++) pv_blocks<1>(ps + i, accs + i, V, c0, c1, D);
+  }
+  for (int64_t i = 0; i < n; i++) {
+    for (int64_t d = 0; d < dv; d += kLanes)
+      (Vf::loadu(accs[i] + d) + Vf::loadu(accs[i] + D + d)).store(os[i] + d);
+    for (int64_t d = dv; d < D; d++) {
+      float acc = 0.f;
+      for (int64_t c = 0; c < ctx; c++) acc += ps[i][c] * V[c * D + d];
+      os[i][d] = acc;
+    }
+  }
 }
 
 // The whole call on raw pointers: q [B, N, H, D], out [B, N, H * D], mask [B, N, ctx], K/V of
@@ -660,51 +750,53 @@ void attend(const float* qp, const float* kp, const float* vp, int64_t k_slot, i
             int64_t L, int64_t D, int64_t ctx, int64_t threads, ForTasks&& for_tasks) {
   const int64_t G = H / KV;
   const float sf = 1.f / std::sqrt(static_cast<float>(D));   // SDPA's default scale
-  // Chunk size: as many queries as share a load, but keep >= 2 tasks per thread so that few
-  // queries (one AR token: 3 per K/V head) still spread over the threads.
+  // Queries per task: up to QT of one K/V head, but keep >= 2 tasks per thread so that few
+  // queries (one AR token: 3 per K/V head) still spread over the threads. 8 tokens x 3 heads of a
+  // K/V head at 2 threads: 2 tasks of 12 per head, 6 in all.
   const int64_t per_head = N * G;
   const int64_t fair = (B * KV * per_head) / (2 * std::max<int64_t>(1, threads));
-  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>({QK_CHUNK, fair, per_head}));
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>({QT, fair, per_head}));
   const int64_t chunks = (per_head + chunk - 1) / chunk;
   const int64_t ctx_vec = (ctx + kLanes - 1) / kLanes * kLanes;   // p's rows: whole vectors
   for_tasks(B * KV * chunks, [&](int64_t t0, int64_t t1) {
-    std::vector<float> p(QK_CHUNK * ctx_vec);
+    std::vector<float> p(QT * ctx_vec), acc(QT * 2 * D);
     std::vector<uint32_t> seen(ctx_vec);
     for (int64_t t = t0; t < t1; t++) {
       const int64_t b = t / (KV * chunks), kv = (t / chunks) % KV, j0 = (t % chunks) * chunk;
       const int64_t nq = std::min<int64_t>(chunk, per_head - j0), slot = sp[b];
       const float* K = kp + slot * k_slot + kv * L * D;
       const float* V = vp + slot * v_slot + kv * L * D;
-      const float* qs[QK_CHUNK];
-      float* os[QK_CHUNK];
-      const bool* ms[QK_CHUNK];
+      const float* qs[QT];
+      float* os[QT];
+      const bool* ms[QT];
       for (int64_t i = 0; i < nq; i++) {
         const int64_t n = (j0 + i) / G, h = kv * G + (j0 + i) % G;
         qs[i] = qp + ((b * N + n) * H + h) * D;
         os[i] = op + (b * N + n) * H * D + h * D;
         ms[i] = mp + (b * N + n) * ctx;
       }
-      scores_of_chunk<QK_CHUNK>(nq, qs, K, ctx, D, sf, p.data(), ctx_vec);
+      scores(nq, qs, K, ctx, D, sf, p.data(), ctx_vec);
       // Queries that see columns go on to p @ V (compacted); one that sees none gets zeros.
-      const float* ps[QK_CHUNK];
-      float* live[QK_CHUNK];
-      float sums[QK_CHUNK];
+      const float* ps[QT];
+      float* live[QT];
+      float* accs[QT];
+      float sums[QT];
       int64_t nlive = 0;
       for (int64_t i = 0; i < nq; i++) {
         float* pi = p.data() + i * ctx_vec;
-        const float sum = softmax_weights(pi, ms[i], ctx, seen.data());
+        if (i == 0 || ms[i] != ms[i - 1]) mask_bits(ms[i], ctx, seen.data());   // a token's G heads: once
+        const float sum = softmax_weights(pi, seen.data(), ctx);
         if (sum == 0.f) {
           std::fill(os[i], os[i] + D, 0.f);
           continue;
         }
         ps[nlive] = pi;
         live[nlive] = os[i];
+        accs[nlive] = acc.data() + nlive * 2 * D;
         sums[nlive++] = sum;
       }
-      int64_t i = 0;
-      for (; i + PV_CHUNK <= nlive; i += PV_CHUNK) chunk_output<PV_CHUNK>(ps + i, live + i, V, ctx, D);
-      for (; i < nlive; i++) chunk_output<1>(ps + i, live + i, V, ctx, D);
-      for (i = 0; i < nlive; i++) {
+      weighted_values(nlive, ps, live, accs, V, ctx, D);
+      for (int64_t i = 0; i < nlive; i++) {
         const float inv = 1.f / sums[i];
         for (int64_t d = 0; d < D; d++) live[i][d] *= inv;
       }
