@@ -471,7 +471,7 @@ at::Tensor skinny_lora_linear(const at::Tensor& x, const at::Tensor& packed,
 // turn, so K streams from L2 once per task; the mask, max and sum run over whole vectors of
 // columns; p @ V keeps two interleaved sums per output vector (even and odd columns), in blocks
 // of PV_BLOCK columns that every chunk takes in turn (V too streams once per task).
-// One 8-token forward's layer call (9 heads over 3 of 64, ctx 264, 2 threads, Xeon): 88 -> 53 us
+// One 8-token forward's layer call (9 heads over 3 of 64, ctx 264, 2 threads, Xeon): 79 -> 44 us
 // with the head dim at compile time (accumulators in registers, not on the stack), V loads kept
 // in registers, and a token's mask read once for its G heads (python -m fastspec.graphs.attn_ab).
 using Vf = at::vec::Vectorized<float>;
@@ -654,20 +654,21 @@ FS_INLINE float softmax_weights(float* p, const uint32_t* seen, int64_t ctx) {
 }
 
 // acc_q[d0 : d0 + ND vectors] += sum_{c0 <= c < c1} p_q[c] V[c, same], for PQ queries sharing each
-// V load. acc_q holds two sums per output (even columns at acc_q[d], odd ones at acc_q[D + d]),
+// V load. acc_q = acc + q * 2D holds two sums per output (even columns at acc_q[d], odd ones at
+// acc_q[D + d]),
 // loaded and stored around the block: the same additions in the same order as sums kept in
 // registers over all columns (c0 even, so the pairs (c, c + 1) are the whole call's pairs; only
 // the last block may end on an odd column, which goes to the even sum).
 template <int PQ, int ND>
-FS_INLINE void pv_block(const float* const* ps, float* const* accs, const float* V, int64_t c0, int64_t c1,
+FS_INLINE void pv_block(const float* const* ps, float* acc, const float* V, int64_t c0, int64_t c1,
                         int64_t D, int64_t d0) {
   Vf e[PQ][ND], od[PQ][ND];
 #pragma GCC unroll 4
   for (int q = 0; q < PQ; q++)
 #pragma GCC unroll 4
     for (int u = 0; u < ND; u++) {
-      e[q][u] = Vf::loadu(accs[q] + d0 + u * kLanes);
-      od[q][u] = Vf::loadu(accs[q] + D + d0 + u * kLanes);
+      e[q][u] = Vf::loadu(acc + q * 2 * D + d0 + u * kLanes);
+      od[q][u] = Vf::loadu(acc + q * 2 * D + D + d0 + u * kLanes);
     }
   int64_t c = c0;
   for (; c + 2 <= c1; c += 2) {
@@ -693,21 +694,21 @@ FS_INLINE void pv_block(const float* const* ps, float* const* accs, const float*
   for (int q = 0; q < PQ; q++)
 #pragma GCC unroll 4
     for (int u = 0; u < ND; u++) {
-      e[q][u].store(accs[q] + d0 + u * kLanes);
-      od[q][u].store(accs[q] + D + d0 + u * kLanes);
+      e[q][u].store(acc + q * 2 * D + d0 + u * kLanes);
+      od[q][u].store(acc + q * 2 * D + D + d0 + u * kLanes);
     }
 }
 
 template <int PQ>
-FS_INLINE void pv_blocks(const float* const* ps, float* const* accs, const float* V, int64_t c0, int64_t c1,
+FS_INLINE void pv_blocks(const float* const* ps, float* acc, const float* V, int64_t c0, int64_t c1,
                          int64_t D) {
   const int64_t dv = D - D % kLanes;
   for (int64_t d0 = 0; d0 < dv; d0 += 4 * kLanes) {
     switch (std::min<int64_t>(4, (dv - d0) / kLanes)) {
-      case 4: pv_block<PQ, 4>(ps, accs, V, c0, c1, D, d0); break;
-      case 3: pv_block<PQ, 3>(ps, accs, V, c0, c1, D, d0); break;
-      case 2: pv_block<PQ, 2>(ps, accs, V, c0, c1, D, d0); break;
-      default: pv_block<PQ, 1>(ps, accs, V, c0, c1, D, d0); break;
+      case 4: pv_block<PQ, 4>(ps, acc, V, c0, c1, D, d0); break;
+      case 3: pv_block<PQ, 3>(ps, acc, V, c0, c1, D, d0); break;
+      case 2: pv_block<PQ, 2>(ps, acc, V, c0, c1, D, d0); break;
+      default: pv_block<PQ, 1>(ps, acc, V, c0, c1, D, d0); break;
     }
   }
 }
@@ -718,21 +719,22 @@ constexpr int64_t PV_BLOCK = 64;
 // Queries per task: scores (QT x ctx) and sums (QT x 2D) of a task stay in L1/L2.
 constexpr int64_t QT = 12;
 
-// out_q = (sum_c p_q[c] V[c]) for the n queries `ps`: the even and odd sums per block of columns,
-// then their sum, then the tail dims (D % kLanes) one by one over every column.
-FS_INLINE void weighted_values(int64_t n, const float* const* ps, float* const* os, float* const* accs,
+// out_q = (sum_c p_q[c] V[c]) for the n queries `ps`: the even and odd sums per block of columns
+// (in acc, n x 2D scratch), then their sum, then the tail dims (D % kLanes) one by one over every
+// column.
+FS_INLINE void weighted_values(int64_t n, const float* const* ps, float* const* os, float* acc,
                                const float* V, int64_t ctx, int64_t D) {
   const int64_t dv = D - D % kLanes;
-  for (int64_t i = 0; i < n; i++) std::fill(accs[i], accs[i] + 2 * D, 0.f);
+  std::fill(acc, acc + n * 2 * D, 0.f);
   for (int64_t c0 = 0; c0 < ctx; c0 += PV_BLOCK) {
     const int64_t c1 = std::min(ctx, c0 + PV_BLOCK);
     int64_t i = 0;
-    for (; i + PV_CHUNK <= n; i += PV_CHUNK) pv_blocks<PV_CHUNK>(ps + i, accs + i, V, c0, c1, D);
-    for (; i < n; i++) pv_blocks<1>(ps + i, accs + i, V, c0, c1, D);
+    for (; i + PV_CHUNK <= n; i += PV_CHUNK) pv_blocks<PV_CHUNK>(ps + i, acc + i * 2 * D, V, c0, c1, D);
+    for (; i < n; i++) pv_blocks<1>(ps + i, acc + i * 2 * D, V, c0, c1, D);
   }
   for (int64_t i = 0; i < n; i++) {
     for (int64_t d = 0; d < dv; d += kLanes)
-      (Vf::loadu(accs[i] + d) + Vf::loadu(accs[i] + D + d)).store(os[i] + d);
+      (Vf::loadu(acc + i * 2 * D + d) + Vf::loadu(acc + i * 2 * D + D + d)).store(os[i] + d);
     for (int64_t d = dv; d < D; d++) {
       float acc = 0.f;
       for (int64_t c = 0; c < ctx; c++) acc += ps[i][c] * V[c * D + d];
@@ -759,7 +761,8 @@ void attend(const float* qp, const float* kp, const float* vp, int64_t k_slot, i
   const int64_t chunks = (per_head + chunk - 1) / chunk;
   const int64_t ctx_vec = (ctx + kLanes - 1) / kLanes * kLanes;   // p's rows: whole vectors
   for_tasks(B * KV * chunks, [&](int64_t t0, int64_t t1) {
-    std::vector<float> p(QT * ctx_vec), acc(QT * 2 * D);
+    std::vector<float> p(QT * ctx_vec + QT * 2 * D);   // scores, then p @ V's sums
+    float* acc = p.data() + QT * ctx_vec;
     std::vector<uint32_t> seen(ctx_vec);
     for (int64_t t = t0; t < t1; t++) {
       const int64_t b = t / (KV * chunks), kv = (t / chunks) % KV, j0 = (t % chunks) * chunk;
@@ -779,7 +782,6 @@ void attend(const float* qp, const float* kp, const float* vp, int64_t k_slot, i
       // Queries that see columns go on to p @ V (compacted); one that sees none gets zeros.
       const float* ps[QT];
       float* live[QT];
-      float* accs[QT];
       float sums[QT];
       int64_t nlive = 0;
       for (int64_t i = 0; i < nq; i++) {
@@ -792,10 +794,9 @@ void attend(const float* qp, const float* kp, const float* vp, int64_t k_slot, i
         }
         ps[nlive] = pi;
         live[nlive] = os[i];
-        accs[nlive] = acc.data() + nlive * 2 * D;
         sums[nlive++] = sum;
       }
-      weighted_values(nlive, ps, live, accs, V, ctx, D);
+      weighted_values(nlive, ps, live, acc, V, ctx, D);
       for (int64_t i = 0; i < nlive; i++) {
         const float inv = 1.f / sums[i];
         for (int64_t d = 0; d < D; d++) live[i][d] *= inv;
