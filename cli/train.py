@@ -18,7 +18,8 @@ slot masked too: drafting past a correction not emitted yet), the layout `--meth
 `--kind dflash` trains a DFlash drafter instead (fastspec/train/dflash.py): `--draft-layers`
 decoder layers reading the target layers `--target-layers`, blocks of `--draft-block`, saved in the
 public DFlash format (config.json + model.safetensors) in `<name>/dflash` beside the adapter's
-place (`fastspec.model.dflash.find_dflash` looks there); the adapter-only options are ignored.
+place (`fastspec.model.dflash.find_dflash` looks there); `--init-adapter DIR` there warm-starts
+from a saved DFlash drafter of the same shape; the adapter-only options are ignored.
 """
 from __future__ import annotations
 
@@ -128,8 +129,9 @@ DEFAULT_BLOCKS = "4:0.2,8:0.3,16:0.25,32:0.25"
                    "too), the layout tidar pre-drafts with.")
 @click.option("--init-adapter", type=click.Path(file_okay=False), default=None,
               help="Start from this saved adapter (same rank; its targets among this run's, new "
-                   "ones start as the identity) instead of a fresh one; a "
-                   "checkpoint of --out, when resuming, wins.")
+                   "ones start as the identity) instead of a fresh one; with --kind dflash, from "
+                   "this saved DFlash drafter (same shape). A checkpoint of --out, when resuming, "
+                   "wins.")
 @click.option("--gen-concurrency", type=int, default=16, show_default=True,
               help="Requests decoded together while generating the targets.")
 @click.option("--gen-backend", type=click.Choice(["auto", "compile", "eager"]), default="auto",
@@ -211,7 +213,8 @@ def train_drafter(**opts):
         from fastspec.train.dflash import DFlashTrainer
         trainer = DFlashTrainer(loaded.model, examples, cfg, out_dir=out_dir, ckpt_dir=ckpt,
                                 log_path=out_dir / LOG_FILE, model_key=meta["model_fingerprint"],
-                                meta=meta, tokenizer=loaded.tokenizer)
+                                meta=meta, tokenizer=loaded.tokenizer,
+                                init_drafter_dir=o["init_adapter"])
     else:
         trainer = DraftTrainer(loaded.model, examples, cfg, out_dir=out_dir, ckpt_dir=ckpt,
                                log_path=out_dir / LOG_FILE, model_key=meta["model_fingerprint"],
@@ -307,6 +310,8 @@ def dflash_command(o: dict, cfg) -> str:
         argv += ["--precision", cfg.precision]
     if cfg.max_steps is not None:
         argv += ["--max-steps", str(cfg.max_steps)]
+    if o.get("init_adapter"):
+        argv += ["--init-adapter", str(o["init_adapter"])]
     if o.get("threads"):
         argv += ["--threads", str(o["threads"])]
     return shlex.join(argv)
@@ -333,6 +338,8 @@ def full_command(o: dict, cfg) -> str:
         argv += ["--precision", cfg.precision]
     if cfg.max_steps is not None:
         argv += ["--max-steps", str(cfg.max_steps)]
+    if o.get("init_adapter"):
+        argv += ["--init-adapter", str(o["init_adapter"])]
     if o.get("threads"):
         argv += ["--threads", str(o["threads"])]
     return shlex.join(argv)

@@ -457,6 +457,31 @@ def test_training_reduces_the_loss_and_saves_a_loadable_drafter(tmp_path):
     assert torch.allclose(drafter_block_logits(loaded, t.model, block, 9, ctx), want, atol=1e-5)
 
 
+def test_a_warm_start_begins_from_the_saved_drafter_and_refuses_another_shape(tmp_path):
+    """--init-adapter DIR with --kind dflash: the new run's drafter starts as the saved one (its
+    lineage recorded), a fresh optimizer; a drafter of another shape is one clear error."""
+    t = tiny_target(vocab=64)
+    cfg = lambda **kw: DFlashTrainConfig(**{**dict(draft_layers=1, target_layers=(0, 1), block=4,
+                                                   mask_token_id=MASK, blocks_per_seq=4,
+                                                   seqs_per_step=2, lr=3e-3, warmup_steps=1,
+                                                   max_steps=40), **kw})
+    first = DFlashTrainer(t.model, random_examples(), cfg(), out_dir=tmp_path / "a")
+    batch = make_dflash_batch(first.examples[:2], torch.tensor([[5, 9, 14, 20], [6, 7, 18, 25]]))
+    for _ in range(10):
+        first.train_step(batch)
+    first.save_drafter()
+    trained = dflash_loss(t.model, first.drafter, batch, 4)[0].item()
+    fresh = DFlashTrainer(t.model, random_examples(), cfg(), out_dir=tmp_path / "b")
+    warm = DFlashTrainer(t.model, random_examples(), cfg(seed=5), out_dir=tmp_path / "b",
+                         init_drafter_dir=tmp_path / "a")
+    assert dflash_loss(t.model, warm.drafter, batch, 4)[0].item() == pytest.approx(trained, rel=1e-5)
+    assert dflash_loss(t.model, fresh.drafter, batch, 4)[0].item() > trained * 1.1
+    assert warm.meta["init_drafter"] == str(tmp_path / "a")
+    assert warm.meta["init_drafter_meta"]["steps"] == 10 and warm.step == 0
+    with pytest.raises(FastspecError, match="block_size"):
+        DFlashTrainer(t.model, random_examples(), cfg(block=6), init_drafter_dir=tmp_path / "a")
+
+
 def test_bf16_training_learns_and_keeps_the_drafter_fp32(tmp_path):
     """--precision bf16 trains the DFlash drafter under bf16 autocast; its weights stay fp32."""
     t = tiny_target(vocab=64)

@@ -608,16 +608,18 @@ def test_bf16_autocast_training_tracks_fp32_and_keeps_fp32_weights(distilled):
 
 @pytest.mark.parametrize("kind", ["lora", "dflash"])
 def test_the_written_command_keeps_the_precision(kind):
-    """A bf16 run's recorded command says --precision bf16 and parses back to the same config."""
+    """A bf16 run's recorded command says --precision bf16 (and its warm start) and parses back
+    to the same config."""
     import shlex
 
     from fastspec.cli.train import dflash_command, dflash_config, full_command, train_config, train_drafter
     build, spell = (train_config, full_command) if kind == "lora" else (dflash_config, dflash_command)
-    argv = ["--kind", kind, "--out", "x", "--precision", "bf16", "--max-steps", "3"]
+    argv = ["--kind", kind, "--out", "x", "--precision", "bf16", "--max-steps", "3",
+            "--init-adapter", "prev"]
     params = train_drafter.make_context("train-drafter", argv).params
     cfg = build(params)
     assert cfg.precision == "bf16"
     command = spell(params, cfg)
-    assert "--precision bf16" in command
+    assert "--precision bf16" in command and "--init-adapter prev" in command
     again = build(train_drafter.make_context("train-drafter", shlex.split(command)[2:]).params)
     assert again == cfg

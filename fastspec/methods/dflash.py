@@ -19,12 +19,11 @@ DFlash's optional draft window; drafts only steer speed, verification keeps the 
     W = 8, L = 10, 3 committed this round: positions 10 11 12 -> indices 2 3 4 (over 2 .. 4 of
     the previous lap); the uncommitted verify inputs at 13 .. write nothing
 
-Cold start. The engine's prefill does not capture hidden states, so by default a request's
-context starts empty: its first round drafts from `[s, M ...]` alone and every committed token
-from then on (first round's seed included) enters the context; the prompt never does. With the
-prefill hook (`prefill_capture` / `prefill_context`, an engine change the lead may apply: the
-prefill forward captures the drafter's target layers and hands them here), the context holds
-the prompt's last W tokens from the first round on, as in DFlash. Either way the output is AR's.
+Prompt context. The engine's prefill of a DFlash request runs eager and also captures the
+drafter's target layers (`prefill_capture`); `prefill_context` writes the prompt's last W tokens
+into the ring, so the first round already drafts from the prompt, as in DFlash. From then on
+every committed token (the first round's seed included) enters the ring. Drafts only steer
+speed: the output is AR's either way.
 
 Counting: a round is 2 forwards (drafter + target verify); `report()` gives the drafter forwards
 separately (one per request-round, a few layers against the target's whole stack).

@@ -245,15 +245,20 @@ class DFlashDraft:
         self.prefilled += len(slots)
 
     # --- inside the step --------------------------------------------------------------------
-    def block_logits(self, step, ids, positions, block_mask, carry) -> torch.Tensor:
-        """The drafter forward of blocks `ids` [S, N] at `positions` [S, N], attending to the
-        rows' rings and among themselves by `block_mask` [S, N, N]: logits [S, N, V] in place
-        (block position i's logits guess the token at its own position), MASK excluded."""
+    def block_logits(self, step, ids, positions, block_mask, carry, n: int) -> torch.Tensor:
+        """The drafter forward of K blocks of n, `ids` [S, K·n] at `positions` [S, K·n],
+        attending to the rows' rings and within a block by `block_mask` [S, K·n, K·n]: logits
+        [S, K, n−1, V] of block positions 1 .. n−1 in place (position i's logits guess the token
+        at its own position), MASK excluded. A seed's own logits guess nothing the round needs,
+        so the LM head (the drafter's largest GEMM) skips them: n = 4, K = 2,
+        `s M M M | s t M M` -> head rows 1 2 3 5 6 7."""
         drafter, target = self.drafter, step.model
+        S, K = ids.shape[0], ids.shape[1] // n
         x = F.embedding(ids, target.embed).to(drafter.fc.dtype)       # the target's embeddings
         ctx_pos = carry["ctx_pos"]
-        ctx_mask = (ctx_pos >= 0)[:, None, :].expand(ids.shape[0], ids.shape[1], ctx_pos.shape[1])
+        ctx_mask = (ctx_pos >= 0)[:, None, :].expand(S, ids.shape[1], ctx_pos.shape[1])
         h = drafter(x, positions, carry["ctx_k"], carry["ctx_v"], ctx_pos, ctx_mask, block_mask)
+        h = h.view(S, K, n, -1)[:, :, 1:]
         return exclude_mask_logit(F.linear(h.to(target.head_weight.dtype), target.head_weight).float(),
                                   drafter.cfg.mask_token_id)
 
@@ -270,10 +275,10 @@ class DFlashDraft:
         ids = torch.full((pending.shape[0], n), self.drafter.cfg.mask_token_id, dtype=torch.long,
                          device=pending.device)
         ids[:, 0] = pending
-        logits = self.block_logits(step, ids, positions, self.own_block(blocks, n), carry)
+        logits = self.block_logits(step, ids, positions, self.own_block(blocks, n), carry, n)[:, 0]
         # In place: block position i proposes L+i, so index i (the token after verify input i)
-        # reads position i+1.
-        return torch.cat([logits[:, 1:], logits[:, -1:]], dim=1)
+        # reads position i+1, which is row i of the head's rows 1 .. n−1.
+        return torch.cat([logits, logits[:, -1:]], dim=1)
 
     def segment_logits(self, step, ids, blocks, n, carry, positions) -> torch.Tensor:
         """K blocks side by side, ids [S, K·n] (each `s t1 .. M ..` at positions L .. L+n-1,
@@ -283,8 +288,8 @@ class DFlashDraft:
         K = ids.shape[1] // n
         mask = torch.block_diag(*[torch.ones(n, n, dtype=torch.bool, device=ids.device)] * K)
         mask = mask[None] & self.own_block(blocks, n).repeat(1, K, K)
-        logits = self.block_logits(step, ids, positions.repeat(1, K), mask, carry).view(S, K, n, -1)
-        return torch.cat([logits[:, :, 1:], logits[:, :, -1:]], dim=2)
+        logits = self.block_logits(step, ids, positions.repeat(1, K), mask, carry, n)
+        return torch.cat([logits, logits[:, :, -1:]], dim=2)
 
     def verify(self, step, ids, block_mask, rel_positions=None):
         """The target's forward (Step.forward), also returning the drafter's target layers'

@@ -241,7 +241,11 @@ class DFlashTrainer(TrainLoop):
 
     def __init__(self, target, examples: Sequence[Example], cfg: DFlashTrainConfig,
                  out_dir=None, ckpt_dir=None, log_path=None, model_key: str = "",
-                 meta: dict | None = None, tokenizer=None):
+                 meta: dict | None = None, tokenizer=None, init_drafter_dir=None):
+        """init_drafter_dir: a saved DFlash drafter directory to start from (warm start: its weights,
+        a fresh optimizer and schedule) instead of copies of the target's top layers; it must
+        have this run's shape (layers, target layers, block, MASK id). A checkpoint of this run,
+        when resuming, wins."""
         self.target, self.cfg = target, cfg
         self.examples = [e for e in examples if len(e.target_ids) >= 2]
         if not self.examples:
@@ -254,6 +258,8 @@ class DFlashTrainer(TrainLoop):
             cfg.mask_token_id = default_mask_token_id(tokenizer, target.cfg.vocab_size)
         target.requires_grad_(False)
         self.drafter = init_drafter(target, cfg, cfg.seed).train()
+        if init_drafter_dir is not None:
+            self._init_from(Path(init_drafter_dir))
         self.params = [p for p in self.drafter.parameters()]
         for p in self.params:
             p.requires_grad_(True)
@@ -264,6 +270,25 @@ class DFlashTrainer(TrainLoop):
         self.elapsed_s = 0.0
         self.perm = torch.randperm(len(self.examples), generator=self.gen)
         self.cursor = self.epoch = 0
+
+    def _init_from(self, d: Path) -> None:
+        from fastspec.model.dflash import load_dflash
+        saved = load_dflash(d, self.target, dtype=self.drafter.fc.dtype, attach=False)
+        mine, theirs = self.drafter.cfg.to_hf(), saved.cfg.to_hf()
+        for k in sorted(set(mine) | set(theirs)):
+            if k != "fastspec" and mine.get(k) != theirs.get(k):
+                raise FastspecError(f"--init-adapter {d} has {k}={theirs.get(k)!r}, this run "
+                                    f"{mine.get(k)!r}: use the same settings")
+        src, dst = saved.state_dict_hf(), self.drafter.state_dict_hf()
+        if set(src) != set(dst):
+            raise FastspecError(f"--init-adapter {d} holds tensors {sorted(set(src) ^ set(dst))} "
+                                "this run's drafter does not match")
+        with torch.no_grad():
+            for name, v in dst.items():
+                v.copy_(src[name])
+        self.meta.setdefault("init_drafter", str(d))
+        # The lineage travels with the drafter (its folder may later hold this run's output).
+        self.meta.setdefault("init_drafter_meta", dict(saved.cfg.extra or {}))
 
     def sample_batch(self) -> DFlashBatch:
         cfg, g = self.cfg, self.gen

@@ -490,7 +490,7 @@ class TrainLoop:
         # Every (re)start is a line of the log: what ran, on what, from where.
         self._log({"event": "resume" if resumed else "start", "step": self.step,
                    "target_tokens": self.target_tokens, **self.start_fields(),
-                   **{k: self.meta[k] for k in ("command", "argv", "data", "init_adapter")
+                   **{k: self.meta[k] for k in ("command", "argv", "data", "init_adapter", "init_drafter")
                       if k in self.meta},
                    "examples": len(self.examples), "recipe": self.recipe()})
         budget = cfg.minutes * 60
