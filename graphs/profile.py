@@ -310,9 +310,23 @@ def runner_forward(model, backend: str = "auto", compiler=None) -> Callable:
     return fwd
 
 
+def forward_samples(fwd: Callable, inputs: tuple, device: torch.device, reps: int) -> list[float]:
+    """ms of each of `reps` timed calls of an already compiled forward."""
+    times = []
+    with torch.no_grad():
+        for _ in range(reps):
+            _sync(device)
+            t0 = time.perf_counter()
+            fwd(*inputs)
+            _sync(device)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
 def time_forward(fwd: Callable, inputs: tuple, device: torch.device, reps: int) -> tuple[float, float, float]:
     """(first-call seconds, median ms, min ms) of `reps` further calls after one warm-up call.
-    The one way fastspec times a forward (`fastspec profile`, `fastspec speed`, gpu_check)."""
+    How `fastspec profile` and gpu_check time a forward; `fastspec speed` builds every shape
+    with it, then times them in turns with `forward_samples` (evals/speed.forward_times)."""
     with torch.no_grad():
         _sync(device)
         t0 = time.perf_counter()
@@ -320,14 +334,8 @@ def time_forward(fwd: Callable, inputs: tuple, device: torch.device, reps: int) 
         _sync(device)
         first = time.perf_counter() - t0
         fwd(*inputs)
-        times = []
-        for _ in range(reps):
-            _sync(device)
-            t0 = time.perf_counter()
-            fwd(*inputs)
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-    return first, statistics.median(times) * 1e3, min(times) * 1e3
+    times = forward_samples(fwd, inputs, device, reps)
+    return first, statistics.median(times), min(times)
 
 
 def measure_point(fwd: Callable, model, batch: int, block: int, layout: str, ctx: int,

@@ -207,6 +207,34 @@ def test_speed_records_where_it_ran(tmp_path):
         (b, n, lay) for b in (1, 4) for n in (1, 2) for lay in ("chain", "draft")}
 
 
+def test_speed_times_the_shapes_in_turns_after_compiling_them_all(monkeypatch):
+    """T(N) rows: every shape is built first, then the shapes take turns, so no shape is timed
+    right after its own compilation; ms is the median of all its calls."""
+    import fastspec.graphs.profile as profile
+    from evals.speed import forward_times
+    from fastspec.model.loader import load_model
+    order, first_calls = [], []
+    real = profile.measure_point
+
+    def measure(fwd, model, batch, block, layout, ctx, reps):
+        first_calls.append((block, layout, reps))
+        seen = len(order)
+        point = real(fwd, model, batch, block, layout, ctx, reps)
+        del order[seen:]                                   # its own warm-up timing, not a turn
+        return point
+
+    def samples(fwd, inputs, device, reps):
+        order.append(inputs[0].shape[1])
+        return [float(inputs[0].shape[1])] * reps
+    monkeypatch.setattr(profile, "measure_point", measure)
+    monkeypatch.setattr(profile, "forward_samples", samples)
+    times = forward_times(load_model("tiny-random"), 1, [1, 2], 8, "eager", reps=4, passes=3)
+    assert first_calls == [(1, "chain", 1), (1, "draft", 1), (2, "chain", 1), (2, "draft", 1)]
+    assert order == [1, 1, 2, 2] * 3                       # three rounds, every shape in each
+    assert {key: (t["ms"], t["samples"]) for key, t in times.items()} == {
+        (n, lay): (float(n), 12) for n in (1, 2) for lay in ("chain", "draft")}
+
+
 def test_bench_on_int8_weights_is_lossless_against_ar_on_the_same_weights(tmp_path, adapter_dir):
     prompts = write_prompts(tmp_path / "p.jsonl", [f"question {i}" for i in range(2)])
     result, text, data = bench_json(tmp_path, adapter_dir, "--prompts", prompts, "--method", "ar,linear",
