@@ -191,17 +191,17 @@ def cli():
 def chat(model, dtype, device, weights, dflash, adapter, backend, max_new_tokens, temperature, top_p, top_k, seed,
          method, block, prompt, system):
     """Chat with the model; tokens stream as they are committed. Ctrl-C stops the current answer."""
-    from fastspec.evals.runner import check_blocks, default_block
+    from fastspec.evals.runner import check_blocks, default_block, dflash_for
     from fastspec.methods import get_method
     from fastspec.sampling import SamplingParams
     params = SamplingParams(temperature, top_k, top_p, max_new_tokens, seed)
     if prompt is not None and not prompt.strip():
         raise FastspecError("empty prompt: give --prompt some text")
     block = default_block(method) if block is None else block
-    get_method(method, block=block)          # a bad name or block fails before loading
+    meth = get_method(method, block=block)   # a bad name or block fails before loading
     check_blocks([method], [block])
     engine = load_engine(model, dtype, backend, adapter=adapter, device=device, weights=weights,
-                         dflash=dflash)
+                         dflash=dflash_for([meth], dflash))
     history: list[dict] = [{"role": "system", "content": system}] if system else []
 
     def answer(user_text: str) -> None:

@@ -61,6 +61,15 @@ def check_blocks(methods: list[str], blocks: list[int] | None) -> None:
             get_method(name, block=b)          # raises the method's own one-line error
 
 
+def dflash_for(methods, dflash: str) -> str:
+    """--dflash as the load needs it: `auto` finds a drafter only when one of `methods` drafts
+    with it (a drafter beside the checkpoint or shipped is not loaded into AR or LinearSS runs);
+    a directory the user named is loaded as asked."""
+    if dflash == "auto" and not any(m.needs_dflash for m in methods):
+        return "none"
+    return dflash
+
+
 def split_methods(methods: str) -> list[str]:
     """Split a --method list on commas outside brackets: `ar,recguide[corr=1;cont=0]`."""
     out, depth, cur = [], 0, ""
@@ -237,8 +246,10 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", dflash="a
     if json_out:
         check_writable(json_out, "--json")
 
+    from fastspec.methods import get_method
+    wanted = [get_method(method, **({} if block is None else {"block": block})) for _, method, block in plan]
     engine = load_engine(model, dtype, backends[0], adapter=adapter, device=device, weights=weights,
-                         dflash=dflash)
+                         dflash=dflash_for(wanted, dflash))
     # Later backends share the loaded weights; their rows are labelled "ar (eager)", ...
     engines = [(engine, "")] + [(Engine(engine.loaded, backend=b), f" ({b})") for b in backends[1:]]
     for _, method, block in plan:              # before any run: not one error row per request

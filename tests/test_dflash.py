@@ -178,6 +178,19 @@ def test_newer_config_layout_loads_with_its_sliding_layers(tmp_path):
                           atol=1e-5)
 
 
+def test_auto_finds_a_drafter_only_for_the_methods_that_draft_with_one():
+    """A drafter shipped or beside the checkpoint is not loaded into AR and LinearSS runs; a
+    folder the user names is."""
+    from fastspec.evals.runner import dflash_for
+    from fastspec.methods import get_method
+    plain = [get_method("ar"), get_method("linear", block=4), get_method("bastion")]
+    assert dflash_for(plain, "auto") == "none"
+    for spec in ("dflash", "bastion[drafter=dflash]", "libraspec[drafter=dflash]"):
+        assert dflash_for(plain + [get_method(spec)], "auto") == "auto"
+    assert dflash_for(plain, "/drafters/mine") == "/drafters/mine"
+    assert dflash_for(plain + [get_method("dflash")], "none") == "none"
+
+
 def test_captured_layers_are_the_hf_hidden_states():
     """capture=(i, ...) returns the outputs of those layers (the last one after the final norm),
     and the logits are unchanged."""

@@ -514,7 +514,7 @@ def find_adapter(name: str, path: Path | None) -> Path | None:
 
 def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
                device="cpu", max_context: int | None = None, adapter: str | None = "auto",
-               max_positions: int | None = None, dflash: str | None = "auto") -> LoadedModel:
+               max_positions: int | None = None, dflash: str | None = None) -> LoadedModel:
     """Load a model by built-in name, HF directory, .gguf file or Hub repo id (hf:owner/name).
 
     device: auto | cpu | cuda[:N] (or a torch.device); dtype: auto (bf16 on a GPU, else fp32),
@@ -524,7 +524,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "fl
     max_context: positions the RoPE tables cover (the longest prompt + output to run); default
     the config's, at most DEFAULT_MAX_CONTEXT. `max_positions` is its old name. dflash: "auto"
     attaches the model's DFlash drafter when there is one (`dflash/` beside the checkpoint or
-    shipped for a built-in name; `model.dflash`), a directory loads that one, None skips it.
+    shipped for a built-in name; `model.dflash`), a directory loads that one, None (the default:
+    only the DFlash-drafted methods need one, and `fastspec bench`/`chat` ask) skips it.
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
