@@ -247,13 +247,13 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", dflash="a
         check_writable(json_out, "--json")
 
     from fastspec.methods import get_method
+    # Built before the load: whether any of them drafts with a DFlash drafter decides what loads.
     wanted = [get_method(method, **({} if block is None else {"block": block})) for _, method, block in plan]
     engine = load_engine(model, dtype, backends[0], adapter=adapter, device=device, weights=weights,
                          dflash=dflash_for(wanted, dflash))
     # Later backends share the loaded weights; their rows are labelled "ar (eager)", ...
     engines = [(engine, "")] + [(Engine(engine.loaded, backend=b), f" ({b})") for b in backends[1:]]
-    for _, method, block in plan:              # before any run: not one error row per request
-        meth = engine.method(method, block)
+    for (_, method, _), meth in zip(plan, wanted):   # before any run: not one error row per request
         if meth.needs_adapter and not has_adapter(engine.model):
             raise FastspecError(f"method {method!r} needs a draft adapter and {model} has none: train "
                                 f"one with `fastspec train-drafter --model {model}` or pass --adapter")
