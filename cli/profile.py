@@ -25,7 +25,10 @@ from fastspec.config import FastspecError, parse_int_list
               help="chain (causal, adapter off: verify/AR) and/or draft (block-bidirectional, adapter on).")
 @click.option("--context", "contexts", default="256", show_default=True,
               help="Comma-separated committed context lengths.")
-@click.option("--reps", type=int, default=10, show_default=True, help="Timed forwards per point (median).")
+@click.option("--reps", type=int, default=10, show_default=True,
+              help="Timed forwards per point in each round.")
+@click.option("--passes", type=int, default=3, show_default=True,
+              help="Rounds in which the compiled shapes take turns; ms = median of reps × passes calls.")
 @click.option("--out", "out", type=click.Path(dir_okay=False), default=None,
               help="Profile JSON (default profiles/<device>-<model>[-<kernel>][-<weights>].json, "
                    "the name the planners look up).")
@@ -36,8 +39,8 @@ from fastspec.config import FastspecError, parse_int_list
 @click.option("--bandwidth-mib", type=int, default=1024, show_default=True,
               help="Size of the tensor summed to measure memory bandwidth.")
 @user_errors
-def profile(model, device, dtype, weights, backend, batches, blocks, layouts, contexts, reps, out, png, trace,
-            bandwidth_mib):
+def profile(model, device, dtype, weights, backend, batches, blocks, layouts, contexts, reps, passes, out,
+            png, trace, bandwidth_mib):
     """Profile one forward's time per shape: table, heatmap, roofline fit, JSON.
 
     \b
@@ -59,6 +62,8 @@ def profile(model, device, dtype, weights, backend, batches, blocks, layouts, co
         raise FastspecError(f"--layout takes {' and/or '.join(LAYOUTS)}, got {layouts!r}")
     if reps < 1:
         raise FastspecError(f"--reps must be >= 1, got {reps}")
+    if passes < 1:
+        raise FastspecError(f"--passes must be >= 1, got {passes}")
     if bandwidth_mib < 1:
         raise FastspecError(f"--bandwidth-mib must be >= 1, got {bandwidth_mib}")
     resolve_device(device)                     # a bad --device fails before the load
@@ -80,15 +85,19 @@ def profile(model, device, dtype, weights, backend, batches, blocks, layouts, co
     total = len(batch_list) * len(block_list) * len(layout_list) * len(ctx_list)
     done = [0]
 
-    def progress(p):
+    def compiled(p):
         done[0] += 1
-        err_console.print(f"[dim]{done[0]}/{total}  B{p['batch']}×{p['block']} {p['layout']} "
-                          f"ctx {p['ctx']}: {p['ms']:.2f} ms (compile {p['compile_s']:.1f} s)[/]",
+        err_console.print(f"[dim]built {done[0]}/{total}  B{p['batch']}×{p['block']} {p['layout']} "
+                          f"ctx {p['ctx']}: compile {p['compile_s']:.1f} s, one call {p['ms']:.2f} ms[/]",
                           highlight=False)
 
+    def timed(k, n):
+        err_console.print(f"[dim]timed round {k}/{n}: every shape {reps} calls[/]", highlight=False)
+
     prof = run_profile(loaded, batches=batch_list, blocks=block_list, layouts=layout_list,
-                       contexts=ctx_list, backend=backend, reps=reps, bandwidth_mib=bandwidth_mib,
-                       trace=trace, on_point=progress, checkpoint=out, environment=env)
+                       contexts=ctx_list, backend=backend, reps=reps, passes=passes,
+                       bandwidth_mib=bandwidth_mib, trace=trace, on_point=compiled, on_pass=timed,
+                       checkpoint=out, environment=env)
     prof.save(out)
     wrote = [out]
     try:

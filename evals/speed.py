@@ -80,25 +80,19 @@ def llamacpp_tps(llm, prompt_ids: list[list[int]], new_tokens: int) -> tuple[flo
 def forward_times(loaded, batch: int, ns: list[int], context: int, backend: str = "auto",
                   reps: int = 10, passes: int = 3) -> dict:
     """{(n, layout): profile point} for one forward of n new tokens per row after `context`
-    committed tokens, on `fastspec profile`'s own inputs and runner (graphs/profile.py).
-    Every shape is compiled first; then the shapes take turns, `passes` rounds of `reps` calls
-    each, and `ms` is the median of all of a shape's calls (`ms_min` the fastest). Timed one
-    after another, a shape measured right after its own compilation ran up to 25% slow on a
-    2-core VM (Zen 4, int8: T(16) 41 ms alone, 31-32 ms in turns), which skewed T(N)/T(1)."""
-    from fastspec.graphs.profile import (LAYOUTS, ensure_adapter, forward_samples, measure_point,
-                                         runner_forward)
+    committed tokens, on `fastspec profile`'s own inputs, runner and timing (graphs/profile.py):
+    every shape is compiled first, then the shapes take turns (`time_in_turns`), `passes` rounds
+    of `reps` calls each; `ms` is the median of all of a shape's calls, `ms_min` the fastest."""
+    from fastspec.graphs.profile import (LAYOUTS, ensure_adapter, measure_point, runner_forward,
+                                         time_in_turns)
     ensure_adapter(loaded.model)
     fwd = runner_forward(loaded.model, backend)
     device = next(loaded.model.parameters()).device
     points = {(n, layout): measure_point(fwd, loaded.model, batch, n, layout, context, reps=1)
               for n in ns for layout in LAYOUTS}
-    samples = {key: [] for key in points}
-    for _ in range(passes):
-        for key, (_, inputs) in points.items():
-            samples[key] += forward_samples(fwd, inputs, device, reps)
-    return {key: {**point, "ms": statistics.median(samples[key]), "ms_min": min(samples[key]),
-                  "samples": len(samples[key])}
-            for key, (point, _) in points.items()}
+    samples = time_in_turns(fwd, [inputs for _, inputs in points.values()], device, reps, passes)
+    return {key: {**point, "ms": statistics.median(got), "ms_min": min(got), "samples": len(got)}
+            for (key, (point, _)), got in zip(points.items(), samples)}
 
 
 def run_speed(*, model, new_tokens, batches, ns, context, hf, json_out, console: Console,

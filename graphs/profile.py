@@ -323,10 +323,26 @@ def forward_samples(fwd: Callable, inputs: tuple, device: torch.device, reps: in
     return times
 
 
+def time_in_turns(fwd: Callable, shapes: list[tuple], device: torch.device, reps: int, passes: int,
+                  after_pass: Callable[[int, list[list[float]]], None] | None = None) -> list[list[float]]:
+    """ms of every call of each of `shapes` (forward inputs, every one already compiled): `passes`
+    rounds in which each shape in turn makes `reps` timed calls. Timed one after another, a shape
+    measured right after its own compilation ran up to 25% slow on a 2-core VM (Zen 4, int8:
+    T(16) 41 ms alone, 31-32 ms in turns); taking turns spreads the machine's drift over all
+    shapes alike. after_pass(k, samples) runs after round k (1-based)."""
+    samples: list[list[float]] = [[] for _ in shapes]
+    for k in range(passes):
+        for got, inputs in zip(samples, shapes):
+            got += forward_samples(fwd, inputs, device, reps)
+        if after_pass is not None:
+            after_pass(k + 1, samples)
+    return samples
+
+
 def time_forward(fwd: Callable, inputs: tuple, device: torch.device, reps: int) -> tuple[float, float, float]:
     """(first-call seconds, median ms, min ms) of `reps` further calls after one warm-up call.
-    How `fastspec profile` and gpu_check time a forward; `fastspec speed` builds every shape
-    with it, then times them in turns with `forward_samples` (evals/speed.forward_times)."""
+    How gpu_check's dry runs time a forward; `fastspec profile` and `fastspec speed` build every
+    shape with it (reps=1) and then time them with `time_in_turns`."""
     with torch.no_grad():
         _sync(device)
         t0 = time.perf_counter()
@@ -353,7 +369,8 @@ def measure_point(fwd: Callable, model, batch: int, block: int, layout: str, ctx
     return point, inputs
 
 
-def check_grid(model, batches, blocks, layouts, contexts, backend: str, reps: int) -> None:
+def check_grid(model, batches, blocks, layouts, contexts, backend: str, reps: int,
+               passes: int = 1) -> None:
     """One-line errors for a profile grid the model cannot run, before anything is measured."""
     from fastspec.graphs.runner import BACKENDS
     if backend not in BACKENDS:
@@ -363,6 +380,8 @@ def check_grid(model, batches, blocks, layouts, contexts, backend: str, reps: in
             raise FastspecError(f"--{name} takes positive integers, got {vals}")
     if reps < 1:
         raise FastspecError(f"--reps must be >= 1, got {reps}")
+    if passes < 1:
+        raise FastspecError(f"--passes must be >= 1, got {passes}")
     bad = [l for l in layouts if l not in LAYOUTS]
     if bad or not layouts:
         raise FastspecError(f"unknown layout {', '.join(bad) or '(none)'} (choose {', '.join(LAYOUTS)})")
@@ -386,27 +405,33 @@ def ensure_adapter(model) -> str:
 
 def run_profile(loaded, batches: Iterable[int] = (1, 4), blocks: Iterable[int] = (1, 4, 8, 16, 32),
                 layouts: Iterable[str] = LAYOUTS, contexts: Iterable[int] = (256,),
-                backend: str = "auto", reps: int = 10, bandwidth_mib: int = 1024,
+                backend: str = "auto", reps: int = 10, passes: int = 3, bandwidth_mib: int = 1024,
                 gemm_n: int = 1024, trace: str | None = None,
                 on_point: Callable[[dict], None] | None = None,
+                on_pass: Callable[[int, int], None] | None = None,
                 checkpoint: str | None = None, compiler=None,
                 environment: dict | None = None) -> Profile:
     """Measure every (batch, block, layout, ctx) point and fit the roofline.
+
+    Every shape is compiled first (on_point(point) after each, its `ms` from one call); then the
+    shapes take turns, `passes` rounds of `reps` timed calls each (on_pass(k, passes) after round
+    k), and a point's `ms` is the median of all its calls, `ms_min` the fastest, `samples` their
+    number.
 
     loaded: a LoadedModel. backend: a StepRunner backend (auto | cuda-graph | compile | eager);
     the profile records the one that ran. A draft layout on a model without a draft adapter
     attaches a fresh one (same FLOPs as a trained one).
     trace: write a torch.profiler Chrome trace of one forward per shape to this file.
-    checkpoint: save the profile measured so far to this path after every point (an interrupted
-    run keeps its points). `ms` is the median of `reps` timed calls, `ms_min` the fastest.
+    checkpoint: save the profile measured so far to this path after every compiled point and
+    every round (an interrupted run keeps its points, timed as far as it got).
     environment: `run_environment`'s record of what ran, kept as meta["environment"].
     """
     batches, blocks, layouts, contexts = (sorted(set(x)) for x in (batches, blocks, layouts, contexts))
     model, cfg = loaded.model, loaded.cfg
-    check_grid(model, batches, blocks, layouts, contexts, backend, reps)
+    check_grid(model, batches, blocks, layouts, contexts, backend, reps, passes)
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
-    meta = {"threads": torch.get_num_threads(), "reps": reps,
+    meta = {"threads": torch.get_num_threads(), "reps": reps, "passes": passes,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if environment is not None:            # in every checkpoint too, not only the final save
         meta["environment"] = environment
@@ -437,13 +462,23 @@ def run_profile(loaded, batches: Iterable[int] = (1, 4), blocks: Iterable[int] =
         for batch in batches:
             for block in blocks:
                 for layout in layouts:
-                    p, inputs = measure_point(fwd, model, batch, block, layout, ctx, reps)
+                    p, inputs = measure_point(fwd, model, batch, block, layout, ctx, reps=1)
+                    p["samples"] = 1
                     points.append(p)
                     shapes.append((p, inputs))
                     if on_point is not None:
                         on_point(p)
                     if checkpoint:
                         assemble().save(checkpoint)
+
+    def after_pass(k: int, samples: list[list[float]]) -> None:
+        for p, got in zip(points, samples):
+            p.update(ms=statistics.median(got), ms_min=min(got), samples=len(got))
+        if checkpoint:
+            assemble().save(checkpoint)
+        if on_pass is not None:
+            on_pass(k, passes)
+    time_in_turns(fwd, [inputs for _, inputs in shapes], device, reps, passes, after_pass)
     if trace:
         write_trace(fwd, shapes, device, trace)
     return assemble()

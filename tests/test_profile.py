@@ -145,7 +145,48 @@ def test_tiny_profile_run_writes_json_and_png(tmp_path):
     assert any("B2xN4 draft ctx32" in e.get("name", "") for e in events)
 
 
+def test_profile_builds_every_shape_first_then_times_them_in_turns(tmp_path, monkeypatch):
+    """No point is timed right after its own compilation: each shape is built with one call,
+    then all take turns for `passes` rounds; a point's ms is the median of all its calls, and
+    the checkpoint after each round holds the points timed so far."""
+    import fastspec.graphs.profile as profile
+    built, turns, saved = [], [], []
+    real = profile.measure_point
+
+    def measure(fwd, model, batch, block, layout, ctx, reps):
+        built.append((batch, block, layout, reps, len(turns)))
+        point = real(fwd, model, batch, block, layout, ctx, reps)
+        del turns[built[-1][4]:]                           # its own warm-up timing, not a turn
+        return point
+
+    def samples(fwd, inputs, device, reps):
+        turns.append((inputs[0].shape[0], inputs[0].shape[1]))
+        return [100.0 * inputs[0].shape[0] + inputs[0].shape[1] + len(turns)] * reps
+
+    def save(self, path):
+        saved.append([(p["ms"], p["samples"]) for p in self.points])
+        return path
+    monkeypatch.setattr(profile, "measure_point", measure)
+    monkeypatch.setattr(profile, "forward_samples", samples)
+    monkeypatch.setattr(Profile, "save", save)
+    prof = profile.run_profile(tiny_loaded(), batches=[1, 2], blocks=[1, 4], layouts=["chain"],
+                               contexts=[8], backend="eager", reps=2, passes=3, bandwidth_mib=8,
+                               gemm_n=64, checkpoint=str(tmp_path / "ckpt.json"))
+    assert [b[:4] for b in built] == [(1, 1, "chain", 1), (1, 4, "chain", 1), (2, 1, "chain", 1),
+                                      (2, 4, "chain", 1)]
+    assert all(b[4] == 0 for b in built)                   # every shape built before any turn
+    shapes = [(1, 1), (1, 4), (2, 1), (2, 4)]
+    assert turns == shapes * 3                             # three rounds, every shape in each
+    # each shape's calls in round k were tagged with the turn number: median of three rounds
+    for i, ((b, n), p) in enumerate(zip(shapes, prof.points)):
+        tags = [100.0 * b + n + i + 1 + 4 * k for k in range(3)]
+        assert (p["ms"], p["ms_min"], p["samples"]) == (tags[1], tags[0], 6)
+    assert [ck[0][1] for ck in saved] == [1, 1, 1, 1, 2, 4, 6]   # 4 built, then 3 rounds
+    assert prof.meta["passes"] == 3 and prof.meta["reps"] == 2
+
+
 @pytest.mark.parametrize("args, needle", [
+    (["--passes", "0"], "--passes"),
     (["--layout", "tree"], "--layout"),
     (["--batch", "0"], "--batch"),
     (["--block", "a,b"], "--block"),
