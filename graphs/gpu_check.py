@@ -218,8 +218,10 @@ def main(argv=None) -> int:
                                contexts=(a.context,), backend=a.backend, reps=a.reps,
                                bandwidth_mib=4096 if a.device.startswith("cuda") else 64,
                                compiler=a.compiler,
-                               on_point=lambda p: print(f"  {p['batch']:>3}×{p['block']:<3} "
-                                                        f"{p['layout']:<5} {p['ms']:.3f} ms", flush=True))
+                               on_point=lambda p: print(f"  built {p['batch']}×{p['block']} {p['layout']} "
+                                                        f"({p['compile_s']:.1f} s)", flush=True))
+    for p in profile.points:                   # timed in turns after every shape was built
+        print(f"  {p['batch']:>3}×{p['block']:<3} {p['layout']:<5} {p['ms']:.3f} ms", flush=True)
     profile.meta.update(check={"ok": ok, "dtype": str(check_dtype).replace("torch.", ""),
                                "tolerance": tolerance, "min_identical": a.min_identical,
                                "mode": a.mode, "compiler": a.compiler, "rounds": checks},

@@ -380,3 +380,23 @@ def test_method_instances_that_differ_only_on_the_host_get_their_own_steps():
         assert eng.last_stats.recompiles == 0, m
     names = {k.method for k in eng.runner.keys() if k.layout not in ("prefill", "chain")}
     assert names == {ma.step_name(), mb.step_name()}
+
+
+@pytest.mark.parametrize("timed, rounds", [(True, 3), (False, 2)])
+def test_the_warm_up_builds_every_plan_before_it_times_any(tiny, monkeypatch, timed, rounds):
+    """Warm-up builds each plan's step once, then the plans take turns: a planner that reads
+    measured step times (RecGuide) never starts from a step timed right after its own build."""
+    from fastspec.methods.base import Plan
+
+    class TwoPlans:
+        def __init__(self):
+            self.timed = timed
+
+        def plans(self):
+            return [Plan(4), Plan(8)]
+    engine = Engine(tiny, backend="eager")
+    engine.reserve(1, 32, [AR()])
+    calls = []
+    monkeypatch.setattr(engine, "run_group", lambda meth, plan, *a: calls.append(plan.block))
+    engine.warm_up(TwoPlans(), 1)
+    assert calls == [4, 8] * rounds
