@@ -341,8 +341,8 @@ def time_in_turns(fwd: Callable, shapes: list[tuple], device: torch.device, reps
 
 def time_forward(fwd: Callable, inputs: tuple, device: torch.device, reps: int) -> tuple[float, float, float]:
     """(first-call seconds, median ms, min ms) of `reps` further calls after one warm-up call.
-    How gpu_check's dry runs time a forward; `fastspec profile` and `fastspec speed` build every
-    shape with it (reps=1) and then time them with `time_in_turns`."""
+    `measure_point` builds a shape with it; `fastspec profile` and `fastspec speed` (reps=1 there)
+    then time every shape with `time_in_turns`."""
     with torch.no_grad():
         _sync(device)
         t0 = time.perf_counter()
