@@ -6,7 +6,6 @@ memory-bandwidth floor, and the cost of multi-token forwards T(N)/T(1).
 """
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -84,15 +83,14 @@ def forward_times(loaded, batch: int, ns: list[int], context: int, backend: str 
     every shape is compiled first, then the shapes take turns (`time_in_turns`), `passes` rounds
     of `reps` calls each; `ms` is the median of all of a shape's calls, `ms_min` the fastest."""
     from fastspec.graphs.profile import (LAYOUTS, ensure_adapter, measure_point, runner_forward,
-                                         time_in_turns)
+                                         time_in_turns, turn_stats)
     ensure_adapter(loaded.model)
     fwd = runner_forward(loaded.model, backend)
     device = next(loaded.model.parameters()).device
     points = {(n, layout): measure_point(fwd, loaded.model, batch, n, layout, context, reps=1)
               for n in ns for layout in LAYOUTS}
     samples = time_in_turns(fwd, [inputs for _, inputs in points.values()], device, reps, passes)
-    return {key: {**point, "ms": statistics.median(got), "ms_min": min(got), "samples": len(got)}
-            for (key, (point, _)), got in zip(points.items(), samples)}
+    return {key: {**point, **turn_stats(got)} for (key, (point, _)), got in zip(points.items(), samples)}
 
 
 def run_speed(*, model, new_tokens, batches, ns, context, hf, json_out, console: Console,

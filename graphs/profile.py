@@ -339,6 +339,11 @@ def time_in_turns(fwd: Callable, shapes: list[tuple], device: torch.device, reps
     return samples
 
 
+def turn_stats(samples: list[float]) -> dict:
+    """A point's timing from its calls in turns: ms = the median, ms_min the fastest."""
+    return {"ms": statistics.median(samples), "ms_min": min(samples), "samples": len(samples)}
+
+
 def time_forward(fwd: Callable, inputs: tuple, device: torch.device, reps: int) -> tuple[float, float, float]:
     """(first-call seconds, median ms, min ms) of `reps` further calls after one warm-up call.
     `measure_point` builds a shape with it; `fastspec profile` and `fastspec speed` (reps=1 there)
@@ -473,7 +478,7 @@ def run_profile(loaded, batches: Iterable[int] = (1, 4), blocks: Iterable[int] =
 
     def after_pass(k: int, samples: list[list[float]]) -> None:
         for p, got in zip(points, samples):
-            p.update(ms=statistics.median(got), ms_min=min(got), samples=len(got))
+            p.update(turn_stats(got))
         if checkpoint:
             assemble().save(checkpoint)
         if on_pass is not None:
