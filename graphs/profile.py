@@ -608,6 +608,20 @@ def _matches(prof: "Profile", kernel: str | None, weights: str) -> bool:
     return kernel is None or "kernel" not in env or kernel_ran(env) == kernel
 
 
+def _other_cpu(prof: "Profile") -> str:
+    """A note when the profile was measured on a CPU of another ISA than this one: one CPU name
+    covers Zen 3 (AVX2) and Zen 4 (AVX-512), so a native AVX2 "AMD EPYC" finds the skinny-avx2
+    profile measured on a Zen 4 with the kernel forced narrower ("" when the ISAs agree or the
+    profile does not record one; a GPU profile records none)."""
+    from fastspec.graphs import kernels
+    env = prof.meta.get("environment") or {}
+    isas = kernels.cpu_isas()
+    if not env.get("isa") or not isas or env["isa"] == isas[0]:
+        return ""
+    return (f"measured on a CPU with {env['isa']}, this one has {isas[0]}: the shape is close, "
+            f"the ms are another machine's (`fastspec profile` measures this one)")
+
+
 class ForwardCost:
     """T(rows, tokens): ms of one forward of `rows` rows × `tokens` new tokens at a typical
     context, as the planners of LibraSpec, BASTION and RecGuide read it.
@@ -651,15 +665,18 @@ class ForwardCost:
                         continue
         for name, path, prof in found:
             if name == own or (name == legacy and _matches(prof, kernel, weights)):
-                return cls(cfg, prof, path=path)
+                cost = cls(cfg, prof, path=path)
+                cost.note = _other_cpu(prof)
+                return cost
         if found:
             name, path, prof = min(found, key=lambda f: f[0] != same_kernel)
             env = prof.meta.get("environment") or {}
             ran = kernel_ran(env) if "kernel" in env else None
             cost = cls(cfg, prof, path=path)
-            cost.note = (f"measured at {env.get('weights', 'fp32')} weights{f' with {ran}' if ran else ''}; "
-                         f"this run: {weights}{f' with {kernel}' if kernel else ''} "
-                         f"(`fastspec profile --weights {weights}` measures its own)")
+            cost.note = "; ".join(filter(None, (
+                f"measured at {env.get('weights', 'fp32')} weights{f' with {ran}' if ran else ''}; "
+                f"this run: {weights}{f' with {kernel}' if kernel else ''} "
+                f"(`fastspec profile --weights {weights}` measures its own)", _other_cpu(prof))))
             return cost
         return cls(cfg, bytes_per_param=BYTES.get(weights, 4))
 

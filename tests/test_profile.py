@@ -122,6 +122,29 @@ def test_planners_read_the_profile_of_their_kernel_and_weight_precision(tmp_path
     assert cost("skinny-avx2", "int8").path == default_path(dev, "synthetic", "skinny-avx2", "int8")
 
 
+def test_a_profile_measured_on_a_cpu_of_another_isa_says_so(tmp_path, monkeypatch):
+    """One CPU name covers Zen 3 (AVX2) and Zen 4 (AVX-512): a native AVX2 machine finds the
+    skinny-avx2 profile a Zen 4 measured with its kernel forced narrower, and the run says so."""
+    import fastspec.graphs.kernels as gk
+    import fastspec.graphs.profile as gp
+    monkeypatch.setattr(gp, "device_name", lambda device="cpu": "cpu Test CPU (2 threads)")
+    monkeypatch.chdir(tmp_path)
+    dev, cfg = "cpu Test CPU (2 threads)", synthetic_profile().cfg
+    forced = synthetic_profile()
+    forced.meta["environment"] = {"kernel": "skinny-avx2", "weights": "fp32", "backend": "compile",
+                                  "isa": "avx512"}
+    forced.save(default_path(dev, "synthetic", "skinny-avx2"))
+    cost = lambda weights: gp.ForwardCost.for_model(cfg, "cpu", "synthetic", "skinny-avx2", weights)  # noqa: E731
+    monkeypatch.setattr(gk, "cpu_isas", lambda: ("avx512", "avx2"))      # the Zen 4 that measured it
+    assert cost("fp32").note == ""
+    monkeypatch.setattr(gk, "cpu_isas", lambda: ("avx2",))               # a native AVX2 CPU
+    same = cost("fp32")
+    assert same.path == default_path(dev, "synthetic", "skinny-avx2")
+    assert "measured on a CPU with avx512, this one has avx2" in same.describe()
+    other = cost("bf16")                         # another precision and another CPU: both said
+    assert "fp32 weights" in other.note and "this one has avx2" in other.note
+
+
 def test_tiny_profile_run_writes_json_and_png(tmp_path):
     out, trace = tmp_path / "tiny.json", tmp_path / "trace.json"
     result = CliRunner().invoke(profile_cmd, [
