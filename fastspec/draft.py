@@ -29,6 +29,7 @@ from torch import nn
 from fastspec.config import FastspecError
 from fastspec.convention import convention_from_dict
 from fastspec.model.llama import LlamaModel, LoRA
+from fastspec.weights import weights_changed
 
 ADAPTER_FILE = "adapter.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -130,6 +131,7 @@ def fuse_adapter(model: LlamaModel) -> LlamaModel:
     for blk in model.layers:
         blk.attn.fuse_lora()
         blk.mlp.fuse_lora()
+    weights_changed(model)          # compiled steps packed the old fused tensors
     return model
 
 

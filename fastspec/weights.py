@@ -97,4 +97,17 @@ def apply_weight_precision(model: nn.Module, precision: str) -> nn.Module:
                 scales[name] = s
     model.weight_precision = precision
     model.weight_scales = scales
+    weights_changed(model)
     return model
+
+
+def weights_changed(model: nn.Module) -> None:
+    """Say that the model's weights were replaced or rewritten (rounded to a precision, an adapter
+    re-fused into new tensors): a StepRunner built on it drops its compiled steps, whose packed
+    panels and CUDA graphs hold the old ones, and builds them again on its next call."""
+    model.weights_version = weights_version(model) + 1
+
+
+def weights_version(model: nn.Module | None) -> int:
+    """How many times `weights_changed` ran on the model (0 for None)."""
+    return getattr(model, "weights_version", 0)

@@ -16,10 +16,11 @@ The StepRunner (graphs/runner.py) compiles every step with `_skinny_backend(_pac
   * inductor compiles the result (its FX-graph cache lives under $FASTSPEC_CACHE/inductor).
 
 The packed copies are a snapshot taken when the runner first compiles (+1x, 1/2x or 1/4x the
-fp32 weight memory): a runner must be rebuilt if base weights change. Of the draft adapter only
-the fused inference LoRA is packed (a snapshot itself: `fuse_adapter` builds new tensors, which
-the pass then leaves to inductor, so a re-fused adapter is never read stale); the trainable
+fp32 weight memory). Of the draft adapter only the fused inference LoRA is packed; the trainable
 per-target LoRAs and the MASK embedding are not, so training keeps the compiled step consistent.
+Code that replaces or rounds packed weights (`fuse_adapter`, `apply_weight_precision`) calls
+`fastspec.weights.weights_changed`, and the runner then drops its steps and packs again: no
+Dynamo guard notices (a re-fused adapter's new tensors have the old shapes).
 Without a kernel for this CPU (kernels.active() is None: one warning line) the pass packs nothing
 and the step is plain inductor.
 """

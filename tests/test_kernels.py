@@ -746,6 +746,55 @@ def _region_body(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 @needs_kernel
+def test_a_re_fused_adapter_is_what_the_next_compiled_step_reads(monkeypatch):
+    """The kernel packs the fused draft LoRA when a step compiles. Re-fusing builds new tensors of
+    the same shapes, which no Dynamo guard notices: the runner must drop its steps and pack again,
+    else the draft reads the old adapter. Rounding the weights to a precision packs them again too."""
+    import torch._inductor.compile_fx as cfx
+    from fastspec.draft import AdapterConfig, attach_adapter, fuse_adapter
+    from fastspec.graphs.keys import GraphKey
+    from fastspec.graphs.profile import forward_inputs
+    from fastspec.graphs.runner import StepRunner
+    monkeypatch.setattr(cfx, "compile_fx", lambda gm, example_inputs, **_: gm.forward)   # no inductor
+    t = tiny_loaded(seed=2, layers=2)
+    attach_adapter(t.model, AdapterConfig(rank=4, targets=("q", "v", "o", "gate", "up", "down")), seed=2)
+
+    def refuse(seed):
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for blk in t.model.layers:
+                for lora in [*blk.attn.lora.values(), *blk.mlp.lora.values()]:
+                    lora.B.copy_(torch.randn(lora.B.shape, generator=g) * 0.3)
+        t.model.requires_grad_(False)
+        fuse_adapter(t.model)
+
+    ids, pos, k, v, cols, mask, slots, on = forward_inputs(t.cfg, 2, 3, "draft", 5, "cpu", torch.float32,
+                                                           t.model.mask_token_id)
+    runner = StepRunner("compile", model=t.model)
+
+    def both():
+        with torch.no_grad():
+            eager = t.model(ids, pos, k.clone(), v.clone(), cols, mask, slots, on)
+        out, = runner.run(GraphKey(2, 3, "draft"), t.model.forward, ids, pos, k.clone(), v.clone(),
+                          cols, mask, slots, on, static=(2, 3))
+        return eager, out
+
+    refuse(1)
+    eager1, out1 = both()
+    assert torch.allclose(out1, eager1, atol=1e-4) and runner.total_compiles() == 1
+    refuse(2)
+    eager2, out2 = both()
+    assert not torch.allclose(eager2, eager1, atol=1e-2)           # the adapter did change
+    assert torch.allclose(out2, eager2, atol=1e-4) and runner.total_compiles() == 2
+    both()
+    assert runner.total_compiles() == 2                              # and nothing else recompiles
+    apply_weight_precision(t.model, "bf16")          # rounded in place: packed again, at bf16
+    both()
+    assert runner.total_compiles() == 3
+    assert all(pw.panels.dtype == torch.bfloat16 for pw in runner._packed.values())
+
+
+@needs_kernel
 def test_regional_compilation_traces_one_layer_and_reuses_it(monkeypatch):
     """Every decoder layer calls the same compiled region (one trace, one build, no recompiles
     across layers); the region's four big GEMMs run on the packed panels of the layer calling it."""
