@@ -348,12 +348,14 @@ def run_bench(*, model, dtype, backend, device="auto", adapter="auto", dflash="a
             # One part per method (each method over every prompt in turn), or with --interleave
             # the methods take turns on each group of prompts, the order rotated group by group.
             size = max(interleave, c) if interleave else len(items)
-            runnable = {i for mr in runs_here for i in mr.which} if interleave else set()
+            runnable = {i for mr in runs_here for i in mr.which}
             if runnable:
-                # One KV cache for every part: a part with a longer prompt or fewer requests
-                # than the first would otherwise get a new cache, and every step would rebuild.
+                # One KV cache for every part and every C of the sweep: a part with a longer
+                # prompt or fewer requests than the first, or a larger C, would otherwise get a
+                # new cache, and every step built so far would compile again when next used
+                # (a C=2 run's 1- and 2-row steps did, inside C=4's timed rounds).
                 try:
-                    eng.reserve(c, max(len(prompt_ids[i]) + params[i].max_new_tokens for i in runnable),
+                    eng.reserve(max(levels), max(len(prompt_ids[i]) + params[i].max_new_tokens for i in runnable),
                                 [eng.method(mr.method, mr.block) for mr in runs_here])
                 except FastspecError:
                     pass                             # a method that cannot run says so in its part

@@ -1,4 +1,5 @@
 """CLI: bad input gives one clear line and a non-zero exit, never a traceback."""
+import io
 import json
 import os
 
@@ -374,3 +375,32 @@ def test_interleave_must_not_be_negative(tmp_path, adapter_dir):
     prompts = write_prompts(tmp_path / "p.jsonl", ["question"])
     result, text, _ = bench_json(tmp_path, adapter_dir, "--prompts", prompts, "--interleave", "-1")
     assert_one_line_error(result, text, "--interleave must be >= 0")
+
+
+def test_a_concurrency_sweep_builds_each_step_once(tmp_path, adapter_dir):
+    """One KV cache for the whole sweep: RecGuide's 2-row steps and the prefill, built while C=2
+    ran, serve C=4 as they are. With a cache sized for each C they compiled again at C=4 (every
+    step reads the per-slot state), on the real model inside C=4's timed rounds."""
+    from rich.console import Console
+    from fastspec.engine import Engine
+    from fastspec.evals.runner import run_bench
+    from fastspec.model.loader import load_model
+    prompts = write_prompts(tmp_path / "p.jsonl", [f"question {i} " * (1 + i % 3) for i in range(6)])
+    engines = []
+
+    def load_engine(model, dtype, backend, **_):
+        engines.append(Engine(load_model("tiny-random", adapter=adapter_dir), backend="compile",
+                              compiler="aot_eager"))
+        return engines[-1]
+
+    out = tmp_path / "r.json"
+    run_bench(model="tiny-random", dtype="float32", backend="compile", max_new_tokens=12, temperature=0.0,
+              top_p=1.0, top_k=0, seed=0, suite=None, benches=None, prompts_file=prompts, limit=6,
+              methods="recguide[blocks=4/8]", blocks=None, concurrency="2,4", data_dir=None,
+              json_out=str(out), peers=None, baseline=False, console=Console(file=io.StringIO()),
+              load_engine=load_engine, interleave=1)
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["concurrency"] for r in runs] == [2, 4] and all(r["recompiles"] == 0 for r in runs)
+    stats = engines[0].runner.stats()
+    assert any(k.batch == 2 and k.block == 4 for k in stats)          # built at C=2, used at C=4
+    assert {str(k): v["compiles"] for k, v in stats.items() if v["compiles"] != 1} == {}

@@ -795,6 +795,26 @@ def test_a_re_fused_adapter_is_what_the_next_compiled_step_reads(monkeypatch):
 
 
 @needs_kernel
+def test_two_engines_on_same_shaped_models_never_run_each_others_packed_weights(monkeypatch):
+    """Every step of every engine compiles one code object, and its guards skip the weights
+    (graphs/runner.skip_weight_guards): a step must still run only the packed panels of its own
+    engine's model, called in turns with another engine whose model has the same shapes."""
+    import torch._inductor.compile_fx as cfx
+    monkeypatch.setattr(cfx, "compile_fx", lambda gm, example_inputs, **_: gm.forward)   # no inductor
+    a, b = tiny_loaded(seed=1), tiny_loaded(seed=2)
+    prompts = random_token_prompts(2, seed=3)
+    params = SamplingParams(max_new_tokens=12)
+    want = {name: [c.token_ids for c in Engine(t, backend="eager").generate(prompts, params, concurrency=2)]
+            for name, t in (("a", a), ("b", b))}
+    assert want["a"] != want["b"]
+    engines = {"a": Engine(a, backend="compile"), "b": Engine(b, backend="compile")}
+    for _ in range(2):
+        for name, engine in engines.items():
+            assert [c.token_ids for c in engine.generate(prompts, params, concurrency=2)] == want[name]
+    assert all(e.runner._packed for e in engines.values())
+
+
+@needs_kernel
 def test_regional_compilation_traces_one_layer_and_reuses_it(monkeypatch):
     """Every decoder layer calls the same compiled region (one trace, one build, no recompiles
     across layers); the region's four big GEMMs run on the packed panels of the layer calling it."""
