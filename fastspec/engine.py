@@ -298,7 +298,9 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise FastspecError("this model has no tokenizer: pass token ids")
-            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            # verbose=False: no transformers warning about the tokenizer's max length; a prompt
+            # too long for the context is one FastspecError line (prepare), not two.
+            ids = self.tokenizer(prompt, add_special_tokens=False, verbose=False)["input_ids"]
         else:
             ids = list(prompt)
         if not ids:

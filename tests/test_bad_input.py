@@ -178,3 +178,20 @@ def test_bad_device_fails_before_the_model_loads(monkeypatch):
     monkeypatch.setattr(loader, "_load_base", no_load)
     result = CliRunner().invoke(cli, [*CHAT, "--device", "cuda:7" if torch.cuda.is_available() else "cuda"])
     assert result.exit_code == 1 and "error: --device cuda" in result.stderr
+
+
+def test_a_prompt_past_the_context_is_one_line_even_past_the_tokenizers_limit(monkeypatch):
+    """A real tokenizer knows the model's context (model_max_length) and transformers warns when a
+    text encodes longer than that; the run's own error line must stay the only line."""
+    import fastspec.model.byte_tokenizer as bt
+    make = bt.byte_tokenizer
+
+    def limited():
+        tok = make()
+        tok.model_max_length = 512                  # tiny-random's context, as a GGUF's tokenizer has
+        return tok
+    monkeypatch.setattr(bt, "byte_tokenizer", limited)
+    result = CliRunner().invoke(cli, [*CHAT[:-4], "--prompt", "x" * 600, "--max-new-tokens", "4"])
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code not in (0, None), result.output
+    assert len(lines) == 1 and "but the context is 512" in lines[0], result.stderr
