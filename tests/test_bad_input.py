@@ -54,6 +54,8 @@ CASES = [
     ("bench-unknown-suite", ["bench", *TINY, "--suite", "nope"], "unknown suite 'nope'"),
     ("bench-unknown-bench", ["bench", *TINY, "--bench", "gsm9k"], "unknown benchmark 'gsm9k'"),
     ("bench-unknown-method", [*BENCH, "--method", "magic"], "unknown method 'magic'"),
+    ("bench-unknown-method-option", [*BENCH, "--method", "recguide[foo=1]"],
+     "method 'recguide' has no option 'foo' (options: block, threshold,"),
     ("bench-unknown-peer", [*BENCH, "--peers", "hf,vllm"], "unknown peer 'vllm'"),
     ("speed-peer-not-llamacpp", [*SPEED, "--peers", "hf"], "speed runs one peer, llama.cpp (got hf)"),
     ("bench-ar-only-bad-block", [*BENCH, "--method", "ar", "--block", "7"],

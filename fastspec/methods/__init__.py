@@ -3,6 +3,8 @@ for forwards, lets the shared verifier accept, and says how many tokens each row
 Methods never touch the KV cache or the model directly."""
 from __future__ import annotations
 
+import inspect
+
 from fastspec.config import FastspecError
 from fastspec.methods.base import Method, RoundOutput
 from fastspec.methods.ar import AR
@@ -62,8 +64,13 @@ def get_method(name: str | Method, **options) -> Method:
     name, spec_options = parse_method_spec(name)
     if name not in METHODS:
         raise FastspecError(f"unknown method {name!r} (available: {', '.join(METHODS)})")
+    cls = METHODS[name]
+    known = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    unknown = [k for k in spec_options if k not in known]
+    if unknown:
+        raise FastspecError(f"method {name!r} has no option {unknown[0]!r} (options: {', '.join(known)})")
     try:
-        return METHODS[name](**{**options, **spec_options})
+        return cls(**{**options, **spec_options})
     except TypeError as e:
         raise FastspecError(f"method {name!r}: {e}") from None
 
