@@ -158,6 +158,7 @@ def train_drafter(**opts):
 
     o = opts
     console = Console()
+    check_kind_options(o["kind"], click.get_current_context())
     cfg = train_config(o) if o["kind"] == "lora" else dflash_config(o)
     if o["target_tokens"] < 2:
         raise FastspecError(f"--target-tokens must be >= 2, got {o['target_tokens']}")
@@ -258,6 +259,21 @@ def _num(x: float) -> str:
     return f"{x:g}" if float(f"{x:g}") == x else repr(float(x))
 
 
+# Options only one kind of drafter reads (the other kind would ignore them without a word).
+KIND_OPTIONS = {"dflash": ("draft_layers", "target_layers", "draft_block", "mask_token_id"),
+                "lora": ("blocks", "convention", "rank", "alpha", "targets", "partial_prob", "seedless")}
+
+
+def check_kind_options(kind: str, ctx: click.Context) -> None:
+    """A FastspecError when an option of the other kind of drafter was given on the command line."""
+    from click.core import ParameterSource
+    other = "dflash" if kind == "lora" else "lora"
+    for name in KIND_OPTIONS[other]:
+        if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE:
+            flag = "--" + name.replace("_", "-")
+            raise FastspecError(f"{flag} is a --kind {other} option; this run trains --kind {kind}")
+
+
 def train_config(o: dict):
     """The TrainConfig of the command's options."""
     from fastspec.train.trainer import TrainConfig, parse_block_mix
@@ -338,8 +354,6 @@ def full_command(o: dict, cfg) -> str:
         argv += ["--precision", cfg.precision]
     if cfg.max_steps is not None:
         argv += ["--max-steps", str(cfg.max_steps)]
-    if o.get("init_adapter"):
-        argv += ["--init-adapter", str(o["init_adapter"])]
     if o.get("threads"):
         argv += ["--threads", str(o["threads"])]
     return shlex.join(argv)

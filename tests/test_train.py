@@ -620,6 +620,21 @@ def test_the_written_command_keeps_the_precision(kind):
     cfg = build(params)
     assert cfg.precision == "bf16"
     command = spell(params, cfg)
-    assert "--precision bf16" in command and "--init-adapter prev" in command
+    assert "--precision bf16" in command and command.count("--init-adapter prev") == 1
     again = build(train_drafter.make_context("train-drafter", shlex.split(command)[2:]).params)
     assert again == cfg
+
+
+@pytest.mark.parametrize("kind, flag", [("lora", "--draft-block"), ("lora", "--target-layers"),
+                                        ("dflash", "--rank"), ("dflash", "--blocks")])
+def test_an_option_of_the_other_kind_of_drafter_is_refused(kind, flag, tmp_path):
+    """--draft-block trains nothing under --kind lora (nor --rank under dflash): one line, no run."""
+    from click.testing import CliRunner
+    from fastspec.cli.main import cli
+    value = {"--draft-block": "8", "--target-layers": "1,2", "--rank": "8", "--blocks": "8:1"}[flag]
+    result = CliRunner().invoke(cli, ["train-drafter", "--model", "tiny-random", "--kind", kind,
+                                      "--out", str(tmp_path / "d"), "--max-steps", "1", flag, value])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    other = "dflash" if kind == "lora" else "lora"
+    assert f"{flag} is a --kind {other} option; this run trains --kind {kind}" in result.output
+    assert not (tmp_path / "d").exists()
