@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from fastspec.config import FastspecError
 from fastspec.convention import model_convention
 from fastspec.draft import has_adapter
-from fastspec.graphs.keys import GraphKey, batch_bucket
+from fastspec.graphs.keys import BATCH_BUCKETS, GraphKey, batch_bucket
 from fastspec.graphs.runner import StepRunner
 from fastspec.kv_cache import KVCache
 from fastspec.methods import Method, RoundOutput, get_method
@@ -384,10 +384,15 @@ class Engine:
         self.stats = RunStats()
         self.cache.lengths.fill_(1)
         self.pending = torch.zeros(self.cache.num_slots, dtype=torch.long, device=self.device)
-        real = list(range(concurrency))
-        plans = method.plans()
+        # A bucketing method runs each round's groups (requests that chose the same plan) in
+        # their own batch bucket, so a group of any size up to `concurrency` can come: warm
+        # every bucket, as a server captures a graph per batch size, and none compiles mid-run.
+        # C=4: groups of 1, 2 and 4 rows; a method without bucketing always runs all 4.
+        sizes = sorted({min(b, concurrency) for b in BATCH_BUCKETS if b < batch_bucket(concurrency)}
+                       | {concurrency}) if method.bucketing else [concurrency]
+        groups = [(plan, list(range(n))) for n in sizes for plan in method.plans()]
         for _ in range(1 + (2 if method.timed else 1)):  # round 1 builds, the later ones are timed
-            for plan in plans:
+            for plan, real in groups:
                 self.run_group(method, plan, real, [plan.block] * len(real), concurrency, 1)
                 self.cache.lengths.fill_(1)
         self.cache.lengths.zero_()

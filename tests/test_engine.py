@@ -389,6 +389,8 @@ def test_the_warm_up_builds_every_plan_before_it_times_any(tiny, monkeypatch, ti
     from fastspec.methods.base import Plan
 
     class TwoPlans:
+        bucketing = False
+
         def __init__(self):
             self.timed = timed
 
@@ -400,3 +402,27 @@ def test_the_warm_up_builds_every_plan_before_it_times_any(tiny, monkeypatch, ti
     monkeypatch.setattr(engine, "run_group", lambda meth, plan, *a: calls.append(plan.block))
     engine.warm_up(TwoPlans(), 1)
     assert calls == [4, 8] * rounds
+
+
+@pytest.mark.parametrize("bucketing, concurrency, groups", [
+    (True, 4, [1, 2, 4]), (True, 5, [1, 2, 4, 5]), (True, 1, [1]), (False, 4, [4])])
+def test_the_warm_up_builds_every_batch_bucket_a_bucketing_method_can_run(tiny, monkeypatch, bucketing,
+                                                                          concurrency, groups):
+    """A bucketing method runs each plan's requests as their own group, of any size up to C, in
+    its batch bucket: every bucket is built before timing (C=4: 1, 2 and 4 rows; C=5: up to 8),
+    so no step compiles mid-run. Without bucketing every round runs the whole batch's bucket."""
+    from fastspec.methods.base import Plan
+
+    class Bucketing:
+        timed = False
+
+        def plans(self):
+            return [Plan(4), Plan(8)]
+    meth = Bucketing()
+    meth.bucketing = bucketing
+    engine = Engine(tiny, backend="eager")
+    engine.reserve(concurrency, 32, [AR()])
+    calls = []
+    monkeypatch.setattr(engine, "run_group", lambda m, plan, rows, *a: calls.append((len(rows), plan.block)))
+    engine.warm_up(meth, concurrency)
+    assert calls == [(n, b) for n in groups for b in (4, 8)] * 2
