@@ -10,7 +10,6 @@ quartiles) and whether the two steps' outputs are bit-identical on the same inpu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
