@@ -45,8 +45,10 @@ all the inputs of a model forward by those rules; real rows come back unchanged 
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import time
+import types
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -130,6 +132,17 @@ def skip_weight_guards(entries) -> list[bool]:
     ever caught it: a re-fused adapter's new tensors have the old shapes). FASTSPEC_WEIGHT_GUARDS=1
     keeps them all."""
     return [not ("._parameters[" in e.name or "._buffers[" in e.name) for e in entries]
+
+
+_STEP_IDS = itertools.count()
+
+
+def _own_code(fn: Callable, name: str) -> Callable:
+    """A plain function calling fn, with a code object no other function shares (named `name`)."""
+    def step(*args):
+        return fn(*args)
+    return types.FunctionType(step.__code__.replace(co_name=name, co_qualname=name), step.__globals__,
+                              name, step.__defaults__, step.__closure__)
 
 
 @dataclass
@@ -304,13 +317,17 @@ class StepRunner:
         return _skinny_backend(self._packed, self._kernel)
 
     def _compile(self, key: GraphKey, kind: str, fn: Callable) -> Callable:
-        # Every key compiles the same code object once more: lift dynamo's limits (default 8,
-        # after which it silently runs eager).
+        # Dynamo keeps compiled entries per code object, and torch.compile of a bound method or
+        # closure traces one shared wrapper: every key of every runner in the process then
+        # piled its entries on one code object, each call walked the others' guards, and past
+        # recompile_limit Dynamo silently ran eager (the test suite reached 128). Each key gets a
+        # code object of its own, so its entries are its own (a step and its rare recompiles).
         cfg = torch._dynamo.config
-        cfg.recompile_limit = max(cfg.recompile_limit, 4 * self.max_graphs, 64)
+        cfg.recompile_limit = max(cfg.recompile_limit, 64)
         cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 16 * self.max_graphs, 256)
         if self.compiler == "none":
             return fn
+        fn = _own_code(fn, f"fastspec_step_{next(_STEP_IDS)}")
         base = self._base_compiler(kind)
         st = self._stats[key]
 
