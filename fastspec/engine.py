@@ -388,8 +388,7 @@ class Engine:
         # their own batch bucket, so a group of any size up to `concurrency` can come: warm
         # every bucket, as a server captures a graph per batch size, and none compiles mid-run.
         # C=4: groups of 1, 2 and 4 rows; a method without bucketing always runs all 4.
-        sizes = sorted({min(b, concurrency) for b in BATCH_BUCKETS if b < batch_bucket(concurrency)}
-                       | {concurrency}) if method.bucketing else [concurrency]
+        sizes = ([b for b in BATCH_BUCKETS if b < concurrency] if method.bucketing else []) + [concurrency]
         groups = [(plan, list(range(n))) for n in sizes for plan in method.plans()]
         for _ in range(1 + (2 if method.timed else 1)):  # round 1 builds, the later ones are timed
             for plan, real in groups:

@@ -218,10 +218,10 @@ class StepRunner:
 
         static: positions of inputs used in place by address (CUDA graphs; see the module doc).
         """
-        if self._weights_version != weights_version(self.model):
+        if (version := weights_version(self.model)) != self._weights_version:
             # The packed panels and captured graphs read the old tensors: build every step again.
             self.clear()
-            self._packed, self._weights_version = None, weights_version(self.model)
+            self._packed, self._weights_version = None, version
         st = self._stats.setdefault(key, _Stats())
         st.calls += 1
         entry = self._entries.get(key)
