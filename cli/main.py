@@ -346,12 +346,15 @@ def bench(model, dtype, device, weights, dflash, adapter, backend, suite, benche
               help="llama.cpp: also time llama-cpp-python on a GGUF of the same weights at their "
                    "precision (greedy, same token ids, prompts one after another); "
                    "pip install 'fastspec[llamacpp]'.")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Timed AR runs per batch (medians; with --peers, fastspec and llama.cpp take turns "
+                   "and the ratio is the median of the pairs).")
 @click.option("--bandwidth-mib", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Size of the tensor summed to measure memory bandwidth.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write results as JSON.")
 @user_errors
 def speed(model, device, dtype, weights, backend, new_tokens, batches, ns, context, no_hf, peers,
-          bandwidth_mib, json_out):
+          repeats, bandwidth_mib, json_out):
     """Speed: fastspec AR vs transformers generate, % of the memory-bandwidth floor, T(N)/T(1)."""
     from fastspec.evals.speed import run_speed
     run_speed(model=model, device=device, dtype=dtype, weights=weights, backend=backend,
@@ -359,7 +362,7 @@ def speed(model, device, dtype, weights, backend, new_tokens, batches, ns, conte
               batches=parse_int_list(batches, "--batch"),
               ns=parse_int_list(ns, "--tokens-per-forward"), context=context, hf=not no_hf,
               peers=[p.strip() for p in (peers or "").split(",") if p.strip()],
-              bandwidth_mib=bandwidth_mib, json_out=json_out, console=console)
+              bandwidth_mib=bandwidth_mib, json_out=json_out, console=console, repeats=repeats)
 
 
 def _register_commands() -> None:

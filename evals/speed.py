@@ -6,6 +6,7 @@ memory-bandwidth floor, and the cost of multi-token forwards T(N)/T(1).
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -68,9 +69,9 @@ def hf_generate_tps(hf, tokenizer, prompts: list[str], new_tokens: int) -> tuple
 
 
 def llamacpp_tps(llm, prompt_ids: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-    """llama.cpp's greedy tokens/s over the prompts one after another (batch 1), no stop token."""
+    """llama.cpp's greedy tokens/s over the prompts one after another (batch 1), no stop token
+    (the caller warms it up once: `llamacpp_tps(llm, prompt_ids[:1], 4)`)."""
     from fastspec.evals.peers import llamacpp_generate
-    llamacpp_generate(llm, prompt_ids[0], 4, ())                 # warm-up
     t0 = time.perf_counter()
     out = [llamacpp_generate(llm, ids, new_tokens, ())[0] for ids in prompt_ids]
     return sum(map(len, out)) / (time.perf_counter() - t0), out
@@ -95,7 +96,7 @@ def forward_times(loaded, batch: int, ns: list[int], context: int, backend: str 
 
 def run_speed(*, model, new_tokens, batches, ns, context, hf, json_out, console: Console,
               device="auto", dtype="auto", backend="auto", bandwidth_mib: int = 1024,
-              weights: str = "fp32", peers: list[str] = ()):
+              weights: str = "fp32", peers: list[str] = (), repeats: int = 3):
     from fastspec.engine import Engine
     from fastspec.files import check_writable, write_json
     from fastspec.graphs.profile import (LAYOUTS, check_grid, measure_bandwidth, ran_backend,
@@ -105,6 +106,8 @@ def run_speed(*, model, new_tokens, batches, ns, context, hf, json_out, console:
 
     if new_tokens < 1:
         raise FastspecError(f"--new-tokens must be >= 1, got {new_tokens}")
+    if repeats < 1:
+        raise FastspecError(f"--repeats must be >= 1, got {repeats}")
     if set(peers) - {"llama.cpp"}:
         raise FastspecError(f"speed runs one peer, llama.cpp (got {', '.join(peers)})")
     from fastspec.evals.peers import check_peers
@@ -146,7 +149,9 @@ def run_speed(*, model, new_tokens, batches, ns, context, hf, json_out, console:
     if llamacpp_error:
         result["llamacpp_error"] = llamacpp_error
 
-    gen = Table(title=f"AR decoding, greedy, {new_tokens} new tokens")
+    gen = Table(title=f"AR decoding, greedy, {new_tokens} new tokens"
+                      + (f" — medians of {repeats} runs{', in turns with llama.cpp' if llm is not None else ''}"
+                         if repeats > 1 else ""))
     cols = ["batch", "fastspec tok/s", "ms/step", "% of floor", "HF generate tok/s", "speedup", "same tokens"]
     if llm is not None:
         cols += ["llama.cpp tok/s", "vs llama.cpp", "same as llama.cpp"]
@@ -156,21 +161,33 @@ def run_speed(*, model, new_tokens, batches, ns, context, hf, json_out, console:
         prompts = [engine.render_chat([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]) for i in range(b)]
         engine.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True), concurrency=b)
         warm = engine.warmup_s
-        out = engine.generate(prompts, params, concurrency=b)
-        s = engine.last_stats
-        decode_tps = s.new_tokens / s.wall_s
-        step_ms = s.decode_s / max(s.rounds, 1) * 1e3
+        if llm is not None:
+            prompt_ids = [engine.encode(p) for p in prompts]
+            llamacpp_tps(llm, prompt_ids[:1], 4)                   # its warm-up, outside the pairs
+        # fastspec and llama.cpp take turns, `repeats` pairs: one run each moved 15-20% between
+        # runs a minute apart on a 2-core VM; the row gives medians and the median paired ratio.
+        runs, lc_runs, lc_ids = [], [], None
+        for _ in range(repeats):
+            out = engine.generate(prompts, params, concurrency=b)
+            s = engine.last_stats
+            runs.append((s.new_tokens / s.wall_s, s.decode_s / max(s.rounds, 1) * 1e3))
+            if llm is not None:
+                lc_tps, lc_ids = llamacpp_tps(llm, prompt_ids, new_tokens)
+                lc_runs.append(lc_tps)
+        decode_tps = statistics.median(t for t, _ in runs)
+        step_ms = statistics.median(m for _, m in runs)
         # The floor is per step; a batch shares one read of the weights.
         row = {"batch": b, "tokens_per_s": decode_tps, "step_ms": step_ms,
-               "floor_fraction": floor_ms / step_ms, "warmup_s": warm}
+               "floor_fraction": floor_ms / step_ms, "warmup_s": warm,
+               "runs": len(runs), "tokens_per_s_runs": [t for t, _ in runs]}
         if hf_model is not None:
             hf_tps, hf_ids = hf_generate_tps(hf_model, loaded.tokenizer, prompts, new_tokens)
             row.update(hf_tokens_per_s=hf_tps, speedup=decode_tps / hf_tps,
                        same_tokens=sum(same_until_eos(o.token_ids, h, engine.eos_ids)
                                        for o, h in zip(out, hf_ids)) / b)
         if llm is not None:
-            lc_tps, lc_ids = llamacpp_tps(llm, [engine.encode(p) for p in prompts], new_tokens)
-            row.update(llamacpp_tokens_per_s=lc_tps, vs_llamacpp=decode_tps / lc_tps,
+            row.update(llamacpp_tokens_per_s=statistics.median(lc_runs), llamacpp_tokens_per_s_runs=lc_runs,
+                       vs_llamacpp=statistics.median(t / lc for (t, _), lc in zip(runs, lc_runs)),
                        same_as_llamacpp=sum(same_until_eos(o.token_ids, h, engine.eos_ids)
                                             for o, h in zip(out, lc_ids)) / b)
         result["generate"].append(row)

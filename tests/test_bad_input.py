@@ -82,6 +82,7 @@ CASES = [
     # speed
     ("speed-context-past-rope", [*SPEED, "--context", "100000"], "--context 100000 plus 2 new tokens exceeds"),
     ("speed-new-tokens-0", [*SPEED, "--new-tokens", "0"], "--new-tokens must be >= 1, got 0"),
+    ("speed-repeats-0", [*SPEED, "--repeats", "0"], "Invalid value for '--repeats': 0 is not in the range x>=1"),
     ("speed-batch-0", [*SPEED, "--batch", "0"], "--batch takes positive integers"),
     ("speed-bad-device", [*SPEED, "--device", "gpu"], "--device takes auto, cpu, cuda or cuda:N"),
     # profile

@@ -208,6 +208,42 @@ def test_speed_records_where_it_ran(tmp_path):
         (b, n, lay) for b in (1, 4) for n in (1, 2) for lay in ("chain", "draft")}
 
 
+def test_speed_and_llama_cpp_take_turns_and_the_ratio_is_the_median_of_the_pairs(tmp_path, monkeypatch):
+    """`--repeats 3 --peers llama.cpp`: after both warm up, fastspec and llama.cpp alternate three
+    times; the row gives each side's median and the median of the three paired ratios."""
+    import statistics
+
+    import fastspec.evals.peers as peers
+    from fastspec.engine import Engine
+    order = []
+    real_generate = Engine.generate
+
+    def generate(self, prompts, params, **kw):
+        order.append(("fastspec", params.max_new_tokens))
+        return real_generate(self, prompts, params, **kw)
+
+    def llama_generate(llm, ids, max_new_tokens, stop):
+        order.append(("llama.cpp", max_new_tokens))
+        return [1] * max_new_tokens, 0.0
+    monkeypatch.setattr(Engine, "generate", generate)
+    monkeypatch.setattr(peers, "check_peers", lambda names: None)
+    monkeypatch.setattr(peers, "llamacpp_model", lambda loaded, directory: object())
+    monkeypatch.setattr(peers, "llamacpp_generate", llama_generate)
+    out = tmp_path / "s.json"
+    result, text = run("speed", "--model", "tiny-random", "--backend", "eager", "--no-hf", "--batch", "1",
+                       "--new-tokens", "3", "--tokens-per-forward", "1", "--context", "8", "--repeats", "3",
+                       "--peers", "llama.cpp", "--bandwidth-mib", "8", "--json", str(out))
+    assert result.exit_code == 0, text
+    assert "medians of 3 runs, in turns with llama.cpp" in text
+    assert order == [("fastspec", 4), ("llama.cpp", 4)] + [("fastspec", 3), ("llama.cpp", 3)] * 3
+    row, = json.loads(out.read_text())["generate"]
+    ours, theirs = row["tokens_per_s_runs"], row["llamacpp_tokens_per_s_runs"]
+    assert row["runs"] == 3 and len(ours) == len(theirs) == 3
+    assert row["tokens_per_s"] == statistics.median(ours)
+    assert row["llamacpp_tokens_per_s"] == statistics.median(theirs)
+    assert row["vs_llamacpp"] == pytest.approx(statistics.median(a / b for a, b in zip(ours, theirs)))
+
+
 def test_speed_times_the_shapes_in_turns_after_compiling_them_all(monkeypatch):
     """T(N) rows: every shape is built first, then the shapes take turns, so no shape is timed
     right after its own compilation; ms is the median of all its calls."""
