@@ -390,10 +390,11 @@ class Engine:
         # C=4: groups of 1, 2 and 4 rows; a method without bucketing always runs all 4.
         sizes = ([b for b in BATCH_BUCKETS if b < concurrency] if method.bucketing else []) + [concurrency]
         groups = [(plan, list(range(n))) for n in sizes for plan in method.plans()]
-        for _ in range(1 + (2 if method.timed else 1)):  # round 1 builds, the later ones are timed
-            for plan, real in groups:
-                self.run_group(method, plan, real, [plan.block] * len(real), concurrency, 1)
-                self.cache.lengths.fill_(1)
+        with self.runner.pinning():                     # the run needs every one of them
+            for _ in range(1 + (2 if method.timed else 1)):  # round 1 builds, the later ones are timed
+                for plan, real in groups:
+                    self.run_group(method, plan, real, [plan.block] * len(real), concurrency, 1)
+                    self.cache.lengths.fill_(1)
         self.cache.lengths.zero_()
         for name, spec in self._carry_specs.items():
             self.carry[name].fill_(spec.fill)

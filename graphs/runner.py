@@ -19,7 +19,8 @@ Backends
   cuda-graph  per key: compile fn (inductor, mode "max-autotune-no-cudagraphs"), warm it up on a side
               stream, capture one `torch.cuda.CUDAGraph` into static input/output buffers from one
               shared memory pool, lazily on first use; keep at most `max_graphs` (least recently
-              used evicted). A replay copies the inputs into the static buffers, replays, and
+              used evicted) besides the pinned ones: the keys a warm-up built (`pinning`), which
+              a run takes round after round, so evicting one would only capture it again. A replay copies the inputs into the static buffers, replays, and
               returns clones of the static outputs (copied out before any other replay, since the
               graphs share one pool).
   auto        cuda-graph when CUDA is available (keys whose inputs are on the CPU use compile),
@@ -50,6 +51,7 @@ import os
 import time
 import types
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -205,6 +207,8 @@ class StepRunner:
         self.compiler = compiler
         self.warmup = max(1, warmup)
         self._entries: OrderedDict[GraphKey, _Entry] = OrderedDict()
+        self._pinned: set[GraphKey] = set()        # never evicted (see `pinning`)
+        self._pinning = False
         self._stats: dict[GraphKey, _Stats] = {}
         self._packed: dict | None = None
         self._kernel = None
@@ -224,6 +228,8 @@ class StepRunner:
             self._packed, self._weights_version = None, version
         st = self._stats.setdefault(key, _Stats())
         st.calls += 1
+        if self._pinning:
+            self._pinned.add(key)
         entry = self._entries.get(key)
         if entry is not None and not _same_fn(entry.fn, fn):
             self._drop(key)                       # a new step for this key: build it again
@@ -253,6 +259,18 @@ class StepRunner:
     def keys(self) -> list[GraphKey]:
         """Keys with a live compiled step or graph, least recently used first."""
         return list(self._entries)
+
+    @contextmanager
+    def pinning(self):
+        """Every key run inside is pinned: its CUDA graph is never evicted. A warm-up builds all
+        the steps a run can take (RecGuide at C=8: each block size in each batch bucket up to 8,
+        with its branch layouts), possibly more than `max_graphs`, and an evicted one would be
+        captured again mid-run, round after round. `max_graphs` bounds the keys built later."""
+        self._pinning = True
+        try:
+            yield
+        finally:
+            self._pinning = False
 
     def clear(self) -> None:
         for key in list(self._entries):
@@ -374,9 +392,9 @@ class StepRunner:
             self._capture(key, entry, inputs, static, sig)
             st.captures += 1
             st.compile_s += time.perf_counter() - t0
-            while len(self._entries) > self.max_graphs:
-                oldest = next(iter(self._entries))
-                self._drop(oldest)
+            unpinned = [k for k in self._entries if k not in self._pinned]     # oldest first
+            for old in unpinned[: max(len(unpinned) - self.max_graphs, 0)]:
+                self._drop(old)
         else:
             for i, (dst, src) in enumerate(zip(entry.static_in, inputs)):
                 if isinstance(src, torch.Tensor) and i not in static:

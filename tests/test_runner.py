@@ -307,3 +307,45 @@ def test_the_counter_hash_compiles_to_small_loop_bodies(monkeypatch, tmp_path):
         got = torch.compile(lambda s, c: uniform(s, c, 2, (4,)), backend="inductor")(seed, counter)
     assert torch.equal(got, uniform(seed, counter, 2, (4,)))
     assert sizes and max(sizes) < 1000, sizes          # 309 with the patches, 22783 without
+
+
+def test_the_graphs_a_warm_up_built_are_never_evicted(monkeypatch):
+    """CUDA graphs are kept LRU up to max_graphs, but not the pinned keys a warm-up builds: a run
+    takes those round after round, so evicting one would capture it again mid-run. (The capture
+    is faked so that the bookkeeping runs on a CPU.)"""
+    class FakeGraph:
+        def replay(self):
+            pass
+
+        def reset(self):
+            pass
+
+    def capture(self, key, entry, inputs, static, sig):
+        entry.graph, entry.signature = FakeGraph(), sig
+        entry.static_in, entry.static_out = list(inputs), _as_tuple(entry.fn(*inputs))
+    from fastspec.graphs.runner import _as_tuple
+    monkeypatch.setattr(StepRunner, "_capture", capture)
+    monkeypatch.setattr(StepRunner, "_kind_for", lambda self, inputs: "cuda-graph")
+    runner = StepRunner("eager", max_graphs=2)
+    step = lambda x: x + 1
+    x = torch.zeros(2)
+    keys = [GraphKey(1, n, "chain") for n in range(1, 7)]
+    with runner.pinning():
+        for key in keys[:3]:                    # the warm-up: three steps, more than max_graphs
+            runner.run(key, step, x)
+    assert runner.keys() == keys[:3]
+    for key in keys[3:]:                        # built mid-run: LRU among themselves
+        runner.run(key, step, x)
+    assert runner.keys() == keys[:3] + keys[4:]
+    runner.run(keys[0], step, x)                # still there: replayed, not captured again
+    assert runner.stats()[keys[0]].get("captures") == 1
+
+
+def test_the_warm_up_pins_every_step_a_run_takes(drafter):
+    from fastspec.engine import Engine
+    from fastspec.methods import get_method
+    from fastspec.sampling import SamplingParams
+    engine = Engine(drafter, backend="eager")
+    engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=12),
+                    method=get_method("linear", block=4), concurrency=2)
+    assert engine.runner.keys() and set(engine.runner.keys()) == engine.runner._pinned
