@@ -1,9 +1,13 @@
-"""What Dynamo's guards on the model's weights cost a step: one method's decode step compiled twice
-in one process, with the runner's guard filter (graphs/runner.skip_weight_guards, the default) and
-with every guard (FASTSPEC_WEIGHT_GUARDS=1), called in alternated blocks on the same inputs:
+"""What a step's compile options cost: one method's decode step compiled twice in one process, as the
+runner compiles it and another way, called in alternated blocks on the same inputs.
 
     python -m fastspec.graphs.guard_ab --weights int8 --method ar --out results/guard_ab_int8_ar.json
+    python -m fastspec.graphs.guard_ab --weights int8 --method ar --against whole-cpp
 
+--against: all-guards (default: Dynamo's guards on every weight too, FASTSPEC_WEIGHT_GUARDS=1),
+whole (the 30 layers traced into one graph instead of one nested region reused by every layer,
+FASTSPEC_REGIONAL=0), whole-cpp (that graph with inductor's C++ wrapper, which cannot codegen a
+nested region: the only way to drop the Python wrapper's per-kernel calls).
 The step is the last non-prefill step a short greedy request ran (a 64-token prompt, 24 new
 tokens). Reported: each side's median ms a call, the per-block paired difference (median and
 quartiles) and whether the two steps' outputs are bit-identical on the same inputs."""
@@ -16,6 +20,11 @@ import time
 
 import torch
 
+# The other side: environment for the runner's compile, inductor config patches.
+AGAINST = {"all-guards": ({"FASTSPEC_WEIGHT_GUARDS": "1"}, {}),
+           "whole": ({"FASTSPEC_REGIONAL": "0"}, {}),
+           "whole-cpp": ({"FASTSPEC_REGIONAL": "0"}, {"cpp_wrapper": True})}
+
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -24,6 +33,7 @@ def main(argv=None) -> None:
     ap.add_argument("--method", default="ar")
     ap.add_argument("--blocks", type=int, default=40, help="alternated blocks per side")
     ap.add_argument("--calls", type=int, default=8, help="calls per block")
+    ap.add_argument("--against", default="all-guards", choices=tuple(AGAINST))
     ap.add_argument("--out", help="results JSON")
     a = ap.parse_args(argv)
     from fastspec.cli.main import load_engine
@@ -44,12 +54,19 @@ def main(argv=None) -> None:
     key = [k for k in seen if "prefill" not in str(k) and runner._entries.get(k) is not None
            and runner._entries[k].compiled is not None][-1]
     fn, inputs = seen[key]
-    steps = {"filtered": runner._entries[key].compiled}
-    os.environ["FASTSPEC_WEIGHT_GUARDS"] = "1"
+    other = a.against
+    steps = {"runner": runner._entries[key].compiled}
+    env, patches = AGAINST[other]
+    saved_env = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
-        steps["all guards"] = runner._compile(key, "compile", fn)
+        import torch._inductor.config as inductor_config
+        with inductor_config.patch(patches), torch.no_grad():
+            steps[other] = runner._compile(key, "compile", fn)
+            steps[other](*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])   # compiles here
     finally:
-        os.environ.pop("FASTSPEC_WEIGHT_GUARDS")
+        for k, v in saved_env.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
     def fresh():
         return [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
@@ -69,20 +86,20 @@ def main(argv=None) -> None:
                     times[name].append(time.perf_counter() - t0)
     block = {name: [statistics.median(ts[i:i + a.calls]) for i in range(0, len(ts), a.calls)]
              for name, ts in times.items()}
-    diff = sorted(1e3 * (y - x) for x, y in zip(block["filtered"], block["all guards"]))
+    diff = sorted(1e3 * (y - x) for x, y in zip(block["runner"], block[other]))
     result = {name: round(1e3 * statistics.median(ts), 3) for name, ts in times.items()}
-    row = {"key": str(key), "method": a.method, "weights": a.weights,
-           "filtered_ms": result["filtered"], "all_guards_ms": result["all guards"],
+    row = {"key": str(key), "method": a.method, "weights": a.weights, "against": other,
+           "runner_ms": result["runner"], "other_ms": result[other],
            "saved_ms_median": round(statistics.median(diff), 3),
            "saved_ms_quartiles": [round(diff[len(diff) // 4], 3), round(diff[3 * len(diff) // 4], 3)],
            "bit_identical": bool(same), "blocks": a.blocks, "calls": a.calls}
-    print(f"{key}: filtered {row['filtered_ms']:.3f} ms, all guards {row['all_guards_ms']:.3f} ms a call; "
-          f"saved per block {row['saved_ms_median']:.3f} ms (quartiles {row['saved_ms_quartiles'][0]:.3f} .. "
+    print(f"{key}: the runner's step {row['runner_ms']:.3f} ms, {other} {row['other_ms']:.3f} ms a call; "
+          f"the runner's saves per block {row['saved_ms_median']:.3f} ms (quartiles {row['saved_ms_quartiles'][0]:.3f} .. "
           f"{row['saved_ms_quartiles'][1]:.3f}); outputs bit-identical: {row['bit_identical']}")
     if a.out:
         env = run_environment("cpu", torch.float32, "compile", a.weights, engine.model)
         env["command"] = (f"python -m fastspec.graphs.guard_ab --weights {a.weights} --method {a.method} "
-                          f"--blocks {a.blocks} --calls {a.calls}")
+                          f"--against {other} --blocks {a.blocks} --calls {a.calls}")
         write_json(a.out, {"environment": env, "rows": [row]})
 
 
