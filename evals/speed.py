@@ -68,13 +68,19 @@ def hf_generate_tps(hf, tokenizer, prompts: list[str], new_tokens: int) -> tuple
     return new.numel() / dt, new.tolist()
 
 
-def llamacpp_tps(llm, prompt_ids: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+def llamacpp_tps(llm, prompt_ids: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]], float]:
     """llama.cpp's greedy tokens/s over the prompts one after another (batch 1), no stop token
-    (the caller warms it up once: `llamacpp_tps(llm, prompt_ids[:1], 4)`)."""
+    (the caller warms it up once: `llamacpp_tps(llm, prompt_ids[:1], 4)`): (tokens/s, the
+    tokens, decode tokens/s: the tokens after each prompt's first over the time after it)."""
     from fastspec.evals.peers import llamacpp_generate
-    t0 = time.perf_counter()
-    out = [llamacpp_generate(llm, ids, new_tokens, ())[0] for ids in prompt_ids]
-    return sum(map(len, out)) / (time.perf_counter() - t0), out
+    out, decode_s, t0 = [], 0.0, time.perf_counter()
+    for ids in prompt_ids:
+        t1 = time.perf_counter()
+        new, ttft = llamacpp_generate(llm, ids, new_tokens, ())
+        decode_s += time.perf_counter() - t1 - ttft
+        out.append(new)
+    wall = time.perf_counter() - t0
+    return sum(map(len, out)) / wall, out, sum(len(o) - 1 for o in out) / max(decode_s, 1e-9)
 
 
 def forward_times(loaded, batch: int, ns: list[int], context: int, backend: str = "auto",
@@ -154,7 +160,7 @@ def run_speed(*, model, new_tokens, batches, ns, context, hf, json_out, console:
                          if repeats > 1 else ""))
     cols = ["batch", "fastspec tok/s", "ms/step", "% of floor", "HF generate tok/s", "speedup", "same tokens"]
     if llm is not None:
-        cols += ["llama.cpp tok/s", "vs llama.cpp", "same as llama.cpp"]
+        cols += ["llama.cpp tok/s", "vs llama.cpp", "decode only", "same as llama.cpp"]
     for col in cols + ["warm-up s"]:
         gen.add_column(col, justify="right")
     for b in batches:
@@ -166,37 +172,43 @@ def run_speed(*, model, new_tokens, batches, ns, context, hf, json_out, console:
             llamacpp_tps(llm, prompt_ids[:1], 4)                   # its warm-up, outside the pairs
         # fastspec and llama.cpp take turns, `repeats` pairs: one run each moved 15-20% between
         # runs a minute apart on a 2-core VM; the row gives medians and the median paired ratio.
+        # Decode only: the steps after the prefill (fastspec: b tokens a step; llama.cpp: the
+        # tokens after each prompt's first over the time after it).
         runs, lc_runs, lc_ids = [], [], None
         for _ in range(repeats):
             out = engine.generate(prompts, params, concurrency=b)
             s = engine.last_stats
-            runs.append((s.new_tokens / s.wall_s, s.decode_s / max(s.rounds, 1) * 1e3))
+            step = s.decode_s / max(s.rounds, 1) * 1e3
+            runs.append((s.new_tokens / s.wall_s, step, b * 1e3 / step))
             if llm is not None:
-                lc_tps, lc_ids = llamacpp_tps(llm, prompt_ids, new_tokens)
-                lc_runs.append(lc_tps)
-        decode_tps = statistics.median(t for t, _ in runs)
-        step_ms = statistics.median(m for _, m in runs)
+                lc_tps, lc_ids, lc_decode = llamacpp_tps(llm, prompt_ids, new_tokens)
+                lc_runs.append((lc_tps, lc_decode))
+        tps = statistics.median(r[0] for r in runs)
+        step_ms = statistics.median(r[1] for r in runs)
         # The floor is per step; a batch shares one read of the weights.
-        row = {"batch": b, "tokens_per_s": decode_tps, "step_ms": step_ms,
-               "floor_fraction": floor_ms / step_ms, "warmup_s": warm,
-               "runs": len(runs), "tokens_per_s_runs": [t for t, _ in runs]}
+        row = {"batch": b, "tokens_per_s": tps, "step_ms": step_ms,
+               "floor_fraction": floor_ms / step_ms, "warmup_s": warm, "runs": len(runs),
+               "tokens_per_s_runs": [r[0] for r in runs], "decode_tokens_per_s": b * 1e3 / step_ms}
         if hf_model is not None:
             hf_tps, hf_ids = hf_generate_tps(hf_model, loaded.tokenizer, prompts, new_tokens)
-            row.update(hf_tokens_per_s=hf_tps, speedup=decode_tps / hf_tps,
+            row.update(hf_tokens_per_s=hf_tps, speedup=tps / hf_tps,
                        same_tokens=sum(same_until_eos(o.token_ids, h, engine.eos_ids)
                                        for o, h in zip(out, hf_ids)) / b)
         if llm is not None:
-            row.update(llamacpp_tokens_per_s=statistics.median(lc_runs), llamacpp_tokens_per_s_runs=lc_runs,
-                       vs_llamacpp=statistics.median(t / lc for (t, _), lc in zip(runs, lc_runs)),
+            row.update(llamacpp_tokens_per_s=statistics.median(lc for lc, _ in lc_runs),
+                       llamacpp_tokens_per_s_runs=[lc for lc, _ in lc_runs],
+                       vs_llamacpp=statistics.median(r[0] / lc for r, (lc, _) in zip(runs, lc_runs)),
+                       llamacpp_decode_tokens_per_s=statistics.median(d for _, d in lc_runs),
+                       vs_llamacpp_decode=statistics.median(r[2] / d for r, (_, d) in zip(runs, lc_runs)),
                        same_as_llamacpp=sum(same_until_eos(o.token_ids, h, engine.eos_ids)
                                             for o, h in zip(out, lc_ids)) / b)
         result["generate"].append(row)
         fmt = lambda key, f: format(row[key], f) if key in row else "—"
-        cells = [str(b), f"{decode_tps:.1f}", f"{step_ms:.1f}", f"{row['floor_fraction']:.0%}",
+        cells = [str(b), f"{tps:.1f}", f"{step_ms:.1f}", f"{row['floor_fraction']:.0%}",
                  fmt("hf_tokens_per_s", ".1f"), fmt("speedup", ".2f") + "×", fmt("same_tokens", ".0%")]
         if llm is not None:
             cells += [fmt("llamacpp_tokens_per_s", ".1f"), fmt("vs_llamacpp", ".2f") + "×",
-                      fmt("same_as_llamacpp", ".0%")]
+                      fmt("vs_llamacpp_decode", ".2f") + "×", fmt("same_as_llamacpp", ".0%")]
         gen.add_row(*cells, f"{warm:.1f}")
     console.print(gen)
     if gguf_dir is not None:

@@ -210,7 +210,8 @@ def test_speed_records_where_it_ran(tmp_path):
 
 def test_speed_and_llama_cpp_take_turns_and_the_ratio_is_the_median_of_the_pairs(tmp_path, monkeypatch):
     """`--repeats 3 --peers llama.cpp`: after both warm up, fastspec and llama.cpp alternate three
-    times; the row gives each side's median and the median of the three paired ratios."""
+    times; the row gives each side's median and the median of the three paired ratios, overall
+    and for decoding alone (the prefill left out)."""
     import statistics
 
     import fastspec.evals.peers as peers
@@ -242,6 +243,10 @@ def test_speed_and_llama_cpp_take_turns_and_the_ratio_is_the_median_of_the_pairs
     assert row["tokens_per_s"] == statistics.median(ours)
     assert row["llamacpp_tokens_per_s"] == statistics.median(theirs)
     assert row["vs_llamacpp"] == pytest.approx(statistics.median(a / b for a, b in zip(ours, theirs)))
+    # decode only: the steps after the prefill, both sides (3 tokens: 2 after the first)
+    assert row["decode_tokens_per_s"] == pytest.approx(1e3 / row["step_ms"])
+    assert row["llamacpp_decode_tokens_per_s"] > 0 and row["vs_llamacpp_decode"] > 0
+    assert "decode only" in text
 
 
 def test_speed_times_the_shapes_in_turns_after_compiling_them_all(monkeypatch):
