@@ -55,7 +55,7 @@ def sampling_options(fn):
 
 # RecGuide's block set on the command line: paired against the fixed B=8 it ran 1.01-1.03x at C=1
 # (it picks B=8 there) and 1.28-1.30x at C=4 (results/recguide_default_ab.json).
-DEFAULT_RECGUIDE_BLOCKS = "4,8,16,32"
+DEFAULT_RECGUIDE_BLOCKS = "1,4,8,16,32"     # 1: the plain AR round, where drafting does not pay
 
 
 def recguide_options(fn):
@@ -78,7 +78,8 @@ def recguide_options(fn):
                      help="RecGuide: a draft position is risky when 1 − (p1 − p2) exceeds this (0.5)."),
         click.option("--adaptive-blocks", default=DEFAULT_RECGUIDE_BLOCKS, show_default=True,
                      help="RecGuide: per-request block sizes chosen each round from this set "
-                          "(one size, e.g. 8, fixes the block; a spec's own blocks= wins)."),
+                          "(one size, e.g. 8, fixes the block; 1 adds the plain AR round, taken "
+                          "where drafting does not pay; a spec's own blocks= wins)."),
         click.option("--tables", type=click.Path(dir_okay=False), default=None,
                      help="RecGuide survival tables (default profiles/<model>-survival.json if present)."),
         click.option("--no-signal", is_flag=True, help="RecGuide ablation: ignore the history signal s_t."),

@@ -559,7 +559,7 @@ def test_prefix_coverage_counts_a_round_once_for_every_k_past_its_first_covering
     m = RecGuide(block=8)
     for wanted, covered in ((3, (0, 1, 0)), (1, (1, 0, 0)), (2, (0, 0, 1))):
         seq = Sequence(0, [1], SamplingParams(), block=8)
-        seq.host = [0] * (H_COVERED + 3)
+        seq.host, seq.accept_lengths = [0] * (H_COVERED + 3), [2]     # the round just run
         seq.host[H_WANTED] = wanted
         for j, c in enumerate(covered):
             seq.host[H_COVERED + j] = c
@@ -605,6 +605,7 @@ def with_history(index, block, commits):
     seq = Sequence(index, [1], SamplingParams())
     seq.block = block
     seq.state["blocks"] = [block] * len(commits)
+    seq.state["commits"] = list(commits)
     seq.accept_lengths = list(commits)
     return seq
 
@@ -701,3 +702,64 @@ def test_one_pass_statistics_equal_the_separate_ones():
     torch.testing.assert_close(p1, top2[..., 0])
     torch.testing.assert_close(margin, top2[..., 0] - top2[..., 1])
     assert margin[2, 2] == 0
+
+
+# --- block 1: the AR round, where drafting does not pay -------------------------------------
+
+
+class DraftingDoesNotPay(RecGuide):
+    """An AR round 10 ms, a drafting round 10 ms a forward plus 8 ms a drafted token: even a
+    perfect B=4 round (4 tokens in 2 · 10 + 32 = 52 ms) commits less per ms than AR (1 in 10)."""
+
+    def ms(self, rows, block, variant):
+        return 10.0 if variant == "ar" else 2 * 10.0 + 8.0 * block
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_where_drafting_does_not_pay_recguide_takes_ar_rounds_and_still_equals_ar(drafter, concurrency):
+    """`blocks=1/4/8`: block 1 is a plain AR round (one forward, no draft). With round times
+    that make every drafting block lose to AR, requests run AR rounds, one drafting round after
+    every EXPLORE of them in a row, and the output is AR's token for token."""
+    from fastspec.methods.recguide import EXPLORE
+    engine = Engine(drafter, backend="eager")
+    ps = prompts(4, seed=concurrency)
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    ar = engine.generate(ps, params, method="ar", concurrency=concurrency)
+    m = DraftingDoesNotPay(block=4, blocks=(1, 4, 8), branches=0)
+    out = engine.generate(ps, params, method=m, concurrency=concurrency)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    share = m.report()["block_share"]
+    assert share[1] > 0.8, share
+    assert 0 < share.get(4, 0) + share.get(8, 0) <= 1 / EXPLORE + 0.1, share
+
+
+def test_an_ar_round_stays_out_of_the_verifiers_history_and_drops_carried_drafts():
+    """History (the signal s and the stratum) counts drafting rounds only: an AR round says
+    nothing about the drafts. After EXPLORE AR rounds in a row the chooser leaves AR out once."""
+    from fastspec.engine import Sequence
+    from fastspec.methods.recguide import EXPLORE
+    m = DraftingDoesNotPay(block=4, blocks=(1, 4, 8), branches=0)
+    m.begin(RunInfo(1, 1, set(), {}, lambda rows, tokens: 1.0))
+    seq = with_history(0, 4, [4, 4, 4])             # its last round: B=4, all 4 committed
+    seq.host = [0] * (H_COVERED + m.n_cand)
+
+    def plan():
+        p = m.plan(seq)
+        seq.block = p.block                         # as the engine does
+        return p
+    # s = 1: V_4 = 3.71 in 52 ms, V_8 = 6.63 in 84 ms, both below AR's 1 in 10 ms.
+    assert (plan().block, seq.state["commits"]) == (1, [4] * 4)
+    for _ in range(EXPLORE - 1):
+        seq.accept_lengths.append(1)
+        p = plan()
+        assert (p.block, p.variant) == (1, "ar")
+    assert seq.state["blocks"] == [4] * 4 and seq.state["commits"] == [4] * 4
+    seq.accept_lengths.append(1)
+    assert plan().block == 8                        # the EXPLORE-th AR round in a row: draft once
+    # The AR round's step: one token, no drafts, carried drafts invalidated.
+    step = FakeStep([target(9)], 1)
+    carry = {"valid": torch.ones(1, dtype=torch.long), "drafts": torch.full((1, 8), 5)}
+    out = m.round(step, torch.tensor([4]), torch.tensor([1]), carry, "ar")
+    assert out.emitted.tolist() == [[9]] and out.n_emitted.tolist() == [1] and out.n_drafted.tolist() == [0]
+    assert out.carry["valid"].tolist() == [0] and out.carry["drafts"].shape == (1, 8)
+    assert out.host.shape == (1, H_COVERED + m.n_cand)

@@ -40,6 +40,13 @@ whenever the first rejection is at p, whatever the verifier emitted; the next ro
 of drafts that did not see the correction (shifted: d1' is a guess, not exact). The likelihood
 policy scores such a branch by P(first rejection at p) ≈ Π_{i<p} q(d_i) · (1 − q(d_p)).
 
+Not drafting at all (`recguide[blocks=1/4/8/16/32]`): block 1 is a plain AR round, one forward
+of the seed (variant "ar", V_1 = 1 token). Where speculation does not pay on this device and
+load (int8 weights on a 2-core CPU; C >= 4 there), the chooser's V_B / T(B) then picks it, as a
+server turns speculation off by batch size, but per request and per round. AR rounds stay out
+of the verifier's history (they say nothing about the drafts); after EXPLORE of them in a row a
+request drafts once at its best block, so a stretch of easy text is found again.
+
 Mixed corrections (`recguide[policy=likelihood;seed=mix]`, same adapter): the candidates are the
 guessed correction and the seedless one at every position, and the continuation; a seedless
 candidate at p is scored by the outcomes the guess misses, Π_{i<p} q(d_i) · (1 − q(d_p) − q(alt_p)),
@@ -63,7 +70,7 @@ from fastspec.layout import causal_block
 from fastspec.methods.base import CarrySpec, Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import draft_stats_and_alternatives, exact_first_draft
 from fastspec.methods.linear import BLOCK_SIZES, LinearSS
-from fastspec.sampling import filtered_logprobs, sample_from_logprobs
+from fastspec.sampling import filtered_logprobs, sample_from_logprobs, sample_tokens
 from fastspec.survival import SurvivalTables, choose_block, history_signal, stratum
 from fastspec.verify import accept_chain
 from fastspec.graphs.keys import batch_bucket
@@ -83,11 +90,18 @@ MAX_ALTS = 3                    # guessed alternatives per draft position (`alts
 # Step-time model (RecGuide.timed_step): the machine's level follows its load within a few
 # steps; a step's shape against the profile is a property of the step, learned as slowly.
 LEVEL_RATE, SHAPE_RATE = 0.3, 0.05
+AR_BLOCK = 1                    # the block that is a plain AR round (no draft, one forward)
+EXPLORE = 16                    # AR rounds in a row after which a request drafts once again
 
 
 def slots_of(variant: str) -> int:
-    """Branch slots a step variant lays out: "draft2" / "hit2" -> 2 ("" -> 0)."""
-    return int(variant[-1]) if variant else 0
+    """Branch slots a step variant lays out: "draft2" / "hit2" -> 2 ("" or "ar" -> 0)."""
+    return int(variant[-1]) if variant[-1:].isdigit() else 0
+
+
+def variant_for(block: int, slots: int) -> str:
+    """The variant of a drafting round with `slots` branch slots; block 1 is the AR round."""
+    return "ar" if block == AR_BLOCK else f"draft{slots}"
 
 
 def overlap_layout(step, verify_ids, blocks, anchors, firsts, seeded):
@@ -155,9 +169,9 @@ class RecGuide(LinearSS):
         self.blocks = tuple(sorted(set(blocks or (block,))))
         if branches != "gate" and not isinstance(branches, int):
             raise FastspecError(f"--branches must be gate or a count, got {branches!r}")
-        bad = [b for b in self.blocks if b not in BLOCK_SIZES]
+        bad = [b for b in self.blocks if b not in (AR_BLOCK,) + BLOCK_SIZES]
         if bad:
-            raise FastspecError(f"--blocks must be among {BLOCK_SIZES}, got {bad}")
+            raise FastspecError(f"--blocks must be among {(AR_BLOCK,) + BLOCK_SIZES}, got {bad}")
         if block not in self.blocks:
             raise FastspecError(f"--block {block} must be one of --blocks {self.blocks}")
         if not 0 <= max_corrections <= 2:
@@ -258,10 +272,10 @@ class RecGuide(LinearSS):
         else:
             plans = [Plan(self.block, f"{v}{k}") for k in self.slot_counts() for v in ("draft", "hit")]
         k0 = self.slot_counts()[0]
-        return plans + [Plan(b, f"draft{k0}") for b in self.blocks if b != self.block]
+        return plans + [Plan(b, variant_for(b, k0)) for b in self.blocks if b != self.block]
 
     def forwards_for(self, variant: str) -> int:
-        return 1 if variant.startswith("hit") else 2
+        return 1 if variant.startswith("hit") or variant == "ar" else 2
 
     def max_block(self) -> int:
         return max(self.blocks)
@@ -323,7 +337,7 @@ class RecGuide(LinearSS):
         """A round's time from forward_ms alone: the overlap forward of the verify row plus k
         branch blocks, and the draft forward unless the drafts were carried (a hit)."""
         t = forward_ms(rows, self.step_width(plan))
-        return t if plan.variant.startswith("hit") else t + forward_ms(rows, plan.block)
+        return t if self.forwards_for(plan.variant) == 1 else t + forward_ms(rows, plan.block)
 
     def estimate_ms(self, rows: int, block: int, variant: str) -> float:
         """step_cost on the run's device profile."""
@@ -408,7 +422,7 @@ class RecGuide(LinearSS):
     def block_values(self, seq) -> dict[int, float]:
         """V_B(s, z) for every B of the set, from the request's recent rounds (the survival
         tables, or a geometric run at s for a block they lack: the cold start)."""
-        hist_b, hist_c = seq.state.setdefault("blocks", []), seq.accept_lengths
+        hist_b, hist_c = seq.state.setdefault("blocks", []), seq.state.setdefault("commits", [])
         s = history_signal(hist_b, hist_c) if self.use_signal else 0.5
         z = stratum(hist_b[-1] if hist_b else None, hist_c[-1] if hist_c else None) \
             if self.use_stratum else "*"
@@ -426,17 +440,22 @@ class RecGuide(LinearSS):
         rounds and the measured round time of each B at the current batch bucket."""
         if len(self.blocks) == 1:
             return self.blocks[0]
-        if not seq.state.get("blocks") and self.block_choices and self.bucketing:
+        ar_run = seq.state.get("ar_run", 0)
+        if not seq.state.get("blocks") and not ar_run and self.block_choices and self.bucketing:
             # No history yet: join the block the run's rounds have mostly taken, so a newly
             # admitted request does not split the batch into a bucket of its own.
             return max(self.block_choices, key=self.block_choices.get)
+        blocks = self.blocks
+        if ar_run >= EXPLORE:                              # look at the drafts again, once
+            blocks = tuple(b for b in blocks if b != AR_BLOCK)
         costs = {}
-        for b in self.blocks:
-            t = self.ms(self.rows, b, f"draft{self.slot_counts()[0]}")
+        for b in blocks:
+            t = self.ms(self.rows, b, variant_for(b, self.slot_counts()[0]))
             if t is None:                                  # not measured yet: keep the start
                 return seq.block or self.block
             costs[b] = t
-        return choose_block(self.block_values(seq), costs, self.objective, self.rho)
+        values = self.block_values(seq)
+        return choose_block({b: values[b] for b in blocks}, costs, self.objective, self.rho)
 
     def step_rows(self, n: int) -> int:
         """The rows a step for n requests runs: its own bucket, or the whole batch's unbucketed."""
@@ -452,7 +471,7 @@ class RecGuide(LinearSS):
         3.71 at B = 16, 8, 4) and wants 16, b badly (V_b = 1.05) and wants 4: split,
         (11.2 + 1.05) / (52 + 28) = 0.153 a ms; common B=8, 7.78 / 52 = 0.150: the split stays.
         Were tokens almost free, one step at B=16 would double the rate."""
-        t = lambda n, b: self.step_time_ms(self.step_rows(n), b, f"draft{self.slot_counts()[0]}")  # noqa: E731
+        t = lambda n, b: self.step_time_ms(self.step_rows(n), b, variant_for(b, self.slot_counts()[0]))  # noqa: E731
         values = [self.block_values(q) for q in seqs]
         counts: dict[int, int] = {}
         for b in blocks:
@@ -461,6 +480,8 @@ class RecGuide(LinearSS):
         best_rate = self.rate(sum(v[b] for v, b in zip(values, blocks)),
                               sum(t(n, b) for b, n in counts.items()))
         for b in self.blocks:
+            if b == AR_BLOCK:           # all AR would undo a request's look at its drafts
+                continue
             r = self.rate(sum(v[b] for v in values), t(len(seqs), b))
             if r > best_rate:
                 best, best_rate = [b] * len(seqs), r
@@ -483,7 +504,12 @@ class RecGuide(LinearSS):
         h = seq.host
         if not h:
             return False
+        if seq.block == AR_BLOCK:           # no drafts: nothing to learn about them
+            seq.state["ar_run"] = seq.state.get("ar_run", 0) + 1
+            return False
+        seq.state["ar_run"] = 0
         seq.state.setdefault("blocks", []).append(seq.block)
+        seq.state.setdefault("commits", []).append(seq.accept_lengths[-1])
         wanted = h[H_WANTED]
         covered = [h[H_COVERED + j] for j in range(min(wanted, self.n_cand))]
         for j, c in enumerate(covered):
@@ -526,14 +552,15 @@ class RecGuide(LinearSS):
         groups: dict[tuple[int, bool], int] = {}
         for b, hit in zip(blocks, hits):
             groups[step_block(b), hit] = groups.get((step_block(b), hit), 0) + 1
-        slots = {g: self.gate(self.step_rows(n), g[0], g[1], together=n) for g, n in groups.items()}
+        slots = {g: 0 if g[0] == AR_BLOCK else self.gate(self.step_rows(n), g[0], g[1], together=n)
+                 for g, n in groups.items()}
         plans = []
         for b, hit in zip(blocks, hits):
             k = slots[step_block(b), hit]
             self.table3["reused"] += hit
             self.decisions[k] = self.decisions.get(k, 0) + 1
             self.block_choices[b] = self.block_choices.get(b, 0) + 1
-            plans.append(Plan(b, f"{'hit' if hit else 'draft'}{k}"))
+            plans.append(Plan(b, f"hit{k}" if hit else variant_for(b, k)))
         return plans
 
     def plan(self, seq) -> Plan:
@@ -557,6 +584,8 @@ class RecGuide(LinearSS):
 
     # --- inside the step --------------------------------------------------------------------
     def round(self, step, pending, blocks, carry, variant="") -> RoundOutput:
+        if variant == "ar":
+            return self.ar_round(step, pending, carry)
         n, S, dev = step.width, pending.shape[0], pending.device
         k_slots = slots_of(variant)
         s = step.sampler
@@ -654,6 +683,16 @@ class RecGuide(LinearSS):
                 pad = (0, 0, 0, w - n) if new[k].dim() == 3 else (0, w - n)
                 new[k] = torch.nn.functional.pad(new[k], pad)
         return RoundOutput(emitted, n_emitted, accepted, prob, conf, margin, carry=new, host=host)
+
+    def ar_round(self, step, pending, carry) -> RoundOutput:
+        """Block 1: one forward of the seed, its token committed (the AR round). Carried drafts
+        no longer line up with the sequence: dropped. Host values as a drafting round's, zeros."""
+        logits = step.forward(pending[:, None], causal_block(1, pending.device))
+        token = sample_tokens(logits[:, 0], step.sampler)
+        new = dict(carry, valid=torch.zeros_like(carry["valid"]))
+        host = torch.zeros(pending.shape[0], H_COVERED + self.n_cand, dtype=torch.long, device=pending.device)
+        return RoundOutput(token[:, None], torch.ones_like(pending), torch.zeros_like(pending),
+                           carry=new, host=host)
 
     def stats(self, logits: torch.Tensor, drafts: torch.Tensor):
         """Per position: the draft's probability, top-1, margin, and [S, n, alts] the best tokens
