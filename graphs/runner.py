@@ -20,9 +20,10 @@ Backends
               stream, capture one `torch.cuda.CUDAGraph` into static input/output buffers from one
               shared memory pool, lazily on first use; keep at most `max_graphs` (least recently
               used evicted) besides the pinned ones: the keys a warm-up built (`pinning`), which
-              a run takes round after round, so evicting one would only capture it again. A replay copies the inputs into the static buffers, replays, and
-              returns clones of the static outputs (copied out before any other replay, since the
-              graphs share one pool).
+              a run takes round after round, so evicting one would only capture it again. A
+              replay copies the inputs into the static buffers, replays, and returns clones of
+              the static outputs (copied out before any other replay, since the graphs share
+              one pool).
   auto        cuda-graph when CUDA is available (keys whose inputs are on the CPU use compile),
               compile otherwise.
 

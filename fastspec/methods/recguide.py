@@ -40,8 +40,8 @@ whenever the first rejection is at p, whatever the verifier emitted; the next ro
 of drafts that did not see the correction (shifted: d1' is a guess, not exact). The likelihood
 policy scores such a branch by P(first rejection at p) ≈ Π_{i<p} q(d_i) · (1 − q(d_p)).
 
-Not drafting at all (`recguide[blocks=1/4/8/16/32]`): block 1 is a plain AR round, one forward
-of the seed (variant "ar", V_1 = 1 token). Where speculation does not pay on this device and
+Not drafting at all (`recguide[blocks=1/4/8/16/32]`, the CLI's default set): block 1 is a plain
+AR round, one forward of the seed (variant "ar", V_1 = 1 token). Where speculation does not pay on this device and
 load (int8 weights on a 2-core CPU; C >= 4 there), the chooser's V_B / T(B) then picks it, as a
 server turns speculation off by batch size, but per request and per round. AR rounds stay out
 of the verifier's history (they say nothing about the drafts); after EXPLORE of them in a row a
@@ -471,7 +471,8 @@ class RecGuide(LinearSS):
         3.71 at B = 16, 8, 4) and wants 16, b badly (V_b = 1.05) and wants 4: split,
         (11.2 + 1.05) / (52 + 28) = 0.153 a ms; common B=8, 7.78 / 52 = 0.150: the split stays.
         Were tokens almost free, one step at B=16 would double the rate."""
-        t = lambda n, b: self.step_time_ms(self.step_rows(n), b, variant_for(b, self.slot_counts()[0]))  # noqa: E731
+        k0 = self.slot_counts()[0]
+        t = lambda n, b: self.step_time_ms(self.step_rows(n), b, variant_for(b, k0))  # noqa: E731
         values = [self.block_values(q) for q in seqs]
         counts: dict[int, int] = {}
         for b in blocks:
