@@ -445,16 +445,22 @@ class RecGuide(LinearSS):
             # No history yet: join the block the run's rounds have mostly taken, so a newly
             # admitted request does not split the batch into a bucket of its own.
             return max(self.block_choices, key=self.block_choices.get)
-        blocks = self.blocks
-        if ar_run >= EXPLORE:                              # look at the drafts again, once
-            blocks = tuple(b for b in blocks if b != AR_BLOCK)
         costs = {}
-        for b in blocks:
+        for b in self.blocks:
             t = self.ms(self.rows, b, variant_for(b, self.slot_counts()[0]))
             if t is None:                                  # not measured yet: keep the start
                 return seq.block or self.block
             costs[b] = t
         values = self.block_values(seq)
+        blocks = self.blocks
+        if ar_run >= EXPLORE:
+            # Look at the drafts again, once, where drafting could pay at all: a block whose
+            # every draft is accepted (B tokens) beats AR's one token per round. Under load on
+            # a CPU none does (C=8: a drafting round costs more than B AR rounds), and a lone
+            # look would only add a step to everyone's round.
+            seq.state["ar_run"] = 0
+            if any(b / costs[b] > 1 / costs[AR_BLOCK] for b in blocks if b != AR_BLOCK):
+                blocks = tuple(b for b in blocks if b != AR_BLOCK)
         return choose_block({b: values[b] for b in blocks}, costs, self.objective, self.rho)
 
     def step_rows(self, n: int) -> int:
