@@ -475,17 +475,22 @@ class FixedCosts(RecGuide):
 def test_adaptive_block_sizes_follow_the_verifier_and_stay_lossless(concurrency):
     """Blocks chosen per request per round from {4, 8, 16}: a model whose drafts are accepted
     grows its blocks; outputs equal AR at every concurrency, bucketed by block size."""
-    t = copy_model()
-    engine = Engine(t, backend="eager")
     rng = random.Random(concurrency)
     ps = [[rng.randrange(3, 32) for _ in range(rng.randrange(2, 9))] for _ in range(8)]
-    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
-    ar = engine.generate(ps, params, method="ar", concurrency=concurrency)
-    m = FixedCosts(block=4, blocks=(4, 8, 16), branches=0)
-    out = engine.generate(ps, params, method=m, concurrency=concurrency)
-    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
-    share = m.report()["block_share"]
+    share = block_share_equal_to_ar(Engine(copy_model(), backend="eager"), ps, 48, concurrency,
+                                    FixedCosts(block=4, blocks=(4, 8, 16), branches=0))
     assert share.get(16, 0) > 0.3, share                   # long blocks once drafting goes well
+
+
+def block_share_equal_to_ar(engine, ps, max_new_tokens, concurrency, *methods) -> dict[int, float]:
+    """Greedy runs of each RecGuide method equal AR's token for token; the last one's share of
+    rounds per block size (Table 4)."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    ar = engine.generate(ps, params, method="ar", concurrency=concurrency)
+    for m in methods:
+        out = engine.generate(ps, params, method=m, concurrency=concurrency)
+        assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    return methods[-1].report()["block_share"]
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "filtered"])
@@ -731,18 +736,12 @@ def test_where_drafting_does_not_pay_recguide_takes_ar_rounds_and_still_equals_a
     from fastspec.methods.recguide import EXPLORE
     engine = Engine(drafter, backend="eager")
     ps = prompts(4, seed=concurrency)
-    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
-    ar = engine.generate(ps, params, method="ar", concurrency=concurrency)
     rarely = DraftingRarelyPays(block=4, blocks=(1, 4, 8), branches=0)
-    out = engine.generate(ps, params, method=rarely, concurrency=concurrency)
-    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    never = DraftingDoesNotPay(block=4, blocks=(1, 4, 8), branches=0)
+    assert block_share_equal_to_ar(engine, ps, 60, concurrency, rarely, never) == {1: 1.0}
     share = rarely.report()["block_share"]
     assert share[1] > 0.8, share
     assert 0 < share.get(4, 0) + share.get(8, 0) <= 1 / EXPLORE + 0.1, share
-    never = DraftingDoesNotPay(block=4, blocks=(1, 4, 8), branches=0)
-    out = engine.generate(ps, params, method=never, concurrency=concurrency)
-    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
-    assert never.report()["block_share"] == {1: 1.0}
 
 
 def test_an_ar_round_stays_out_of_the_verifiers_history_and_drops_carried_drafts():
