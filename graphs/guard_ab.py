@@ -66,7 +66,10 @@ def main(argv=None) -> None:
             steps[other](*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])   # compiles here
     finally:
         for k, v in saved_env.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
 
     def fresh():
         return [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]

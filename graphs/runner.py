@@ -263,10 +263,13 @@ class StepRunner:
 
     @contextmanager
     def pinning(self):
-        """Every key run inside is pinned: its CUDA graph is never evicted. A warm-up builds all
-        the steps a run can take (RecGuide at C=8: each block size in each batch bucket up to 8,
-        with its branch layouts), possibly more than `max_graphs`, and an evicted one would be
-        captured again mid-run, round after round. `max_graphs` bounds the keys built later."""
+        """Every key run inside is pinned, in place of the keys an earlier warm-up pinned: its
+        CUDA graph is never evicted. A warm-up builds all the steps a run can take (RecGuide at
+        C=8: each block size in each batch bucket up to 8, with its branch layouts), possibly
+        more than `max_graphs`, and an evicted one would be captured again mid-run, round after
+        round. `max_graphs` bounds the other keys (built later, or by earlier runs: a bench
+        sweep's pins do not pile up over its methods and concurrencies)."""
+        self._pinned = set()
         self._pinning = True
         try:
             yield

@@ -339,6 +339,11 @@ def test_the_graphs_a_warm_up_built_are_never_evicted(monkeypatch):
     assert runner.keys() == keys[:3] + keys[4:]
     runner.run(keys[0], step, x)                # still there: replayed, not captured again
     assert runner.stats()[keys[0]].get("captures") == 1
+    with runner.pinning():                      # the next run's warm-up: its pins replace these
+        runner.run(keys[5], step, x)
+    new = GraphKey(1, 7, "chain")
+    runner.run(new, step, x)                    # a capture: the unpinned keep their 2 newest
+    assert runner.keys() == [keys[0], keys[5], new]
 
 
 def test_the_warm_up_pins_every_step_a_run_takes(drafter):

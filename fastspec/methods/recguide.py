@@ -91,7 +91,7 @@ MAX_ALTS = 3                    # guessed alternatives per draft position (`alts
 # steps; a step's shape against the profile is a property of the step, learned as slowly.
 LEVEL_RATE, SHAPE_RATE = 0.3, 0.05
 AR_BLOCK = 1                    # the block that is a plain AR round (no draft, one forward)
-EXPLORE = 16                    # AR rounds in a row after which a request drafts once again
+EXPLORE = 16                    # every EXPLORE AR rounds in a row, a request may draft once again
 
 
 def slots_of(variant: str) -> int:
@@ -453,12 +453,11 @@ class RecGuide(LinearSS):
             costs[b] = t
         values = self.block_values(seq)
         blocks = self.blocks
-        if ar_run >= EXPLORE:
+        if ar_run and ar_run % EXPLORE == 0:
             # Look at the drafts again, once, where drafting could pay at all: a block whose
             # every draft is accepted (B tokens) beats AR's one token per round. Under load on
             # a CPU none does (C=8: a drafting round costs more than B AR rounds), and a lone
             # look would only add a step to everyone's round.
-            seq.state["ar_run"] = 0
             if any(b / costs[b] > 1 / costs[AR_BLOCK] for b in blocks if b != AR_BLOCK):
                 blocks = tuple(b for b in blocks if b != AR_BLOCK)
         return choose_block({b: values[b] for b in blocks}, costs, self.objective, self.rho)
