@@ -71,7 +71,7 @@ def print_tables(console, runs: list[dict], records, block: int | None = None) -
         for col in ("method", "C", "rows", "rounds", "mean γ", "γ (share)"):
             tab.add_column(col, justify="left" if col in ("method", "γ (share)") else "right")
         for w in widths:
-            tab.add_column(f"W={w}", justify="right")
+            tab.add_column("AR" if w == 1 else f"W={w}", justify="right")
         for r in libra:
             m = r["method_report"]
             sh = {int(k): v for k, v in m["width_share"].items()}

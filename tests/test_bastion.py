@@ -7,7 +7,7 @@ import torch
 
 from conftest import random_token_prompts, tiny_drafter
 from fastspec.engine import Engine
-from fastspec.methods.bastion import BASTION, H_NODES, H_WANTED
+from fastspec.methods.bastion import BASTION, BUDGETS, H_NODES, H_WANTED
 from fastspec.sampling import SamplingParams
 
 
@@ -25,7 +25,7 @@ class RecordingBASTION(BASTION):
 
     def round(self, step, pending, blocks, carry, variant=""):
         out = super().round(step, pending, blocks, carry, variant)
-        if self.live:
+        if self.live and variant != "ar":          # AR rounds build no tree
             self.rounds.append((out.commit_cols.clone(), out.n_drafted.clone()))
         return out
 
@@ -40,7 +40,7 @@ def test_greedy_bastion_equals_ar_token_for_token(engine, concurrency):
     prompts = random_token_prompts(8, seed=concurrency)
     params = SamplingParams(max_new_tokens=36)
     ar = engine.generate(prompts, params, concurrency=concurrency)
-    method = RecordingBASTION()
+    method = RecordingBASTION(budgets=BUDGETS)         # trees in every round (no AR rounds)
     out = engine.generate(prompts, params, method=method, concurrency=concurrency)
     assert [c.token_ids for c in out] == [c.token_ids for c in ar]
     # d1 is the verifier's own token (fastspec's convention): every round commits >= 2 tokens
@@ -80,7 +80,7 @@ def test_compaction_leaves_the_cache_exactly_as_ar_would(engine):
     accepted paths (tree nodes written at L+i) were moved to L+1.. exactly."""
     prompts = random_token_prompts(3, seed=22, max_len=12)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    method = RecordingBASTION()
+    method = RecordingBASTION(budgets=BUDGETS)         # trees in every round (no AR rounds)
     out = engine.generate(prompts, params, method=method, concurrency=3)
     cols = [len(p) + len(c.token_ids) - 1 for p, c in zip(prompts, out)]   # the last is never fed
     tree_kv = [(engine.cache.k[:, s, :, :n].clone(), engine.cache.v[:, s, :, :n].clone())
@@ -120,8 +120,8 @@ def test_compact_path_moves_exactly_the_accepted_path():
 
 
 def test_planner_moves_the_budget_with_the_tree_the_rule_wanted():
-    m = BASTION(block=16)
-    seq = SimpleNamespace(host=[], block=16, accept_lengths=[])
+    m = BASTION(block=16, budgets=BUDGETS)                 # the rule alone (no AR rounds)
+    seq = SimpleNamespace(host=[], block=16, accept_lengths=[], state={})
     assert m.plan(seq).block == 16                       # no round yet: the starting budget
     # wanted = budget + 1: the rule would have gone on past the budget.
     for wanted, budget, nxt in ((5, 16, 8), (8, 8, 8), (9, 8, 16), (12, 16, 16), (17, 16, 32),
@@ -130,6 +130,7 @@ def test_planner_moves_the_budget_with_the_tree_the_rule_wanted():
         seq.host[H_WANTED], seq.host[H_NODES] = wanted, budget
         assert m.plan(seq).block == nxt, (wanted, budget)
     assert sorted(p.block for p in m.plans()) == [8, 16, 32] and m.max_width() == 32
+    assert sorted(p.block for p in BASTION().plans()) == [1, 8, 16, 32]
 
 
 def test_cost_tables_follow_the_profile_per_row_bucket():
@@ -172,3 +173,62 @@ def test_a_step_writes_its_draft_block_then_its_tree():
     # Its round is priced as what it runs: the draft forward, then the tree's (not twice the wider).
     T = lambda rows, tokens: 10.0 * rows + tokens  # noqa: E731
     assert m.step_cost(2, Plan(32), T) == T(2, 8) + T(2, 32) == 80.0
+
+
+# --- AR rounds: where no tree pays -----------------------------------------------------------
+def test_the_planner_takes_ar_rounds_and_looks_again_at_its_last_budget():
+    """T(rows, n) = 10 + n: a round of budget 8 costs 36 ms (draft 18 + tree 18), an AR round 11.
+    Three tree rounds of 3 tokens (.083 a ms, below AR's .091) turn the request to AR rounds;
+    after EXPLORE of them it builds a tree at the budget its last tree round chose."""
+    from fastspec.methods.ar_rounds import EXPLORE
+    m = BASTION(block=16)
+    m.begin(SimpleNamespace(rows=1, forward_ms=lambda rows, n: 10.0 + n))    # a perfect tree pays
+    assert m.look_pays and m.cost_table(1, 8)[8] == 36.0
+    seq = SimpleNamespace(host=[5, 8], block=8, accept_lengths=[3], state={})
+    plans = []
+    for _ in range(EXPLORE + 4):
+        p = m.plan(seq)
+        plans.append((p.block, p.variant))
+        seq.block = p.block
+        seq.host, seq.accept_lengths[-1] = ([0, 0], 1) if p.variant == "ar" else ([5, 8], 3)
+    assert plans[:3] == [(8, "")] * 2 + [(1, "ar")]         # three rounds of evidence
+    assert plans[3:EXPLORE + 2] == [(1, "ar")] * (EXPLORE - 1)
+    assert plans[EXPLORE + 2:] == [(8, ""), (1, "ar")]     # its last budget; the look says AR
+    rep = m.report()
+    assert rep["looks"] == 1 and rep["rounds"] == 4            # tree rounds only in the tree stats
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_where_drafting_does_not_pay_bastion_takes_ar_rounds_and_still_equals_ar(engine, concurrency):
+    prompts = random_token_prompts(4, seed=40 + concurrency)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ar = engine.generate(prompts, params, concurrency=concurrency)
+    saved = engine._forward_cost
+    try:
+        engine._forward_cost = lambda rows, tokens: 10.0 * rows * tokens
+        m = BASTION(block=8)
+        out = engine.generate(prompts, params, method=m, concurrency=concurrency)
+        assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+        assert not m.look_pays and m.report()["ar_share"] == 1.0, m.report()
+        for c in out:                        # AR rounds only: one forward, one token each
+            assert set(c.accept_lengths) == {1} and c.forwards == 1 + len(c.accept_lengths)
+    finally:
+        engine._forward_cost = saved
+
+
+def test_a_run_mixes_ar_rounds_and_trees_and_still_equals_ar(engine):
+    """T = 10 + 3·tokens: trees rarely beat AR's 13 ms, a perfect one would; requests switch
+    between AR rounds and trees (and the accepted paths' K/V compaction), output AR's."""
+    prompts = random_token_prompts(6, seed=60)
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    ar = engine.generate(prompts, params, concurrency=3)
+    saved = engine._forward_cost
+    try:
+        engine._forward_cost = lambda rows, tokens: 10.0 + 3.0 * tokens
+        m = BASTION(block=8, budgets=(1, 8))
+        out = engine.generate(prompts, params, method=m, concurrency=3)
+    finally:
+        engine._forward_cost = saved
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    rep = m.report()
+    assert m.look_pays and rep["looks"] >= 2 and 0.5 < rep["ar_share"] < 1.0, rep

@@ -344,7 +344,8 @@ def run_with_snapshots(engine, prompts, meth, index=0):
             last = engine.last_round
             snaps.append({"length": int(engine.cache.lengths[0]),
                           **{k: v[0].clone() for k, v in engine.carry.items()},
-                          "draft_prob": None if last is None else last.draft_prob[0].clone()})
+                          "draft_prob": None if last is None or last.draft_prob is None
+                          else last.draft_prob[0].clone()})
     out = engine.generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True), method=meth,
                           concurrency=1, on_commit=on_commit)
     return out, snaps[1:]                     # the first commit is the prefill's token
@@ -511,12 +512,14 @@ def test_bf16_training_learns_and_keeps_the_drafter_fp32(tmp_path):
 
 
 # --- LibraSpec, D²SD and BASTION on the DFlash drafter -------------------------------------------
-def dflash_drafted(name, W=1024):
-    """LibraSpec / D²SD / BASTION drafting with the model's DFlash drafter (bound at run start)."""
+def dflash_drafted(name, W=1024, ar=False):
+    """LibraSpec / D²SD / BASTION drafting with the model's DFlash drafter (bound at run start);
+    ar: with the plain AR round in LibraSpec's widths / BASTION's budgets."""
     from fastspec.methods import get_method
-    spec = {"libraspec": f"libraspec[drafter=dflash;window={W};blocks=4/8/16]",
+    one = "1/" if ar else ""
+    spec = {"libraspec": f"libraspec[drafter=dflash;window={W};blocks={one}4/8/16]",
             "d2sd": f"d2sd[drafter=dflash;window={W};block=8;branches=2]",
-            "bastion": f"bastion[drafter=dflash;window={W};block=8;budgets=8/16;draft_block=8]"}[name]
+            "bastion": f"bastion[drafter=dflash;window={W};block=8;budgets={one}8/16;draft_block=8]"}[name]
     return get_method(spec)
 
 
@@ -545,16 +548,24 @@ def test_compiled_rounds_on_the_dflash_drafter_equal_ar(name):
     assert engine.last_stats.recompiles == 0
 
 
-@pytest.mark.parametrize("name", ["libraspec", "d2sd", "bastion"])
-def test_a_tree_or_variable_chain_fills_the_ring_with_the_committed_tokens(name):
+@pytest.mark.parametrize("name, ar", [("libraspec", False), ("d2sd", False), ("bastion", False),
+                                      ("libraspec", True), ("bastion", True)])
+def test_a_tree_or_variable_chain_fills_the_ring_with_the_committed_tokens(name, ar):
     """The ring after every round of BASTION (the accepted path of a tree, gathered from the tree
     verify's captured layers) and LibraSpec (chains of varying width) holds what a full recompute
-    of the committed sequence gives, as DFlash's own chain does."""
+    of the committed sequence gives, as DFlash's own chain does; so it does after AR rounds
+    (ar: a cost model where tokens are dear, so every round after the first is one)."""
     engine = dflash_engine()
+    if ar:
+        engine._forward_cost = lambda rows, tokens: 10.0 * tokens
     d, W = engine.model.dflash, 16
     prompt = random_token_prompts(1, seed=5, vocab=16)[0]
-    meth = dflash_drafted(name, W)
+    meth = dflash_drafted(name, W, ar)
     out, snaps = run_with_snapshots(engine, [prompt], meth)
+    if ar:
+        assert meth.report()["ar_share"] > 0.9, meth.report()
+    ar_out = engine.generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True))
+    assert out[0].token_ids == ar_out[0].token_ids
     first = 0 if meth.source.prefilled else len(prompt)     # the engine's prefill hook ran
     seq = prompt + out[0].token_ids
     hidden, _ = capture(engine.model, [seq], d.cfg.target_layer_ids)

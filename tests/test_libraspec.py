@@ -11,7 +11,7 @@ from conftest import random_token_prompts, tiny_drafter, tiny_loaded
 from fastspec.convention import FASTSPEC, NLD
 from fastspec.draft import AdapterConfig, attach_adapter
 from fastspec.engine import Engine
-from fastspec.methods.base import RunInfo
+from fastspec.methods.base import Plan, RunInfo
 from fastspec.methods.libraspec import (H_CAPPED, H_GAMMA, H_ROWS, LibraSpec, choose_lengths,
                                         stop_length)
 from fastspec.sampling import SamplerState, SamplingParams
@@ -209,7 +209,7 @@ def test_the_next_width_is_the_smallest_block_holding_the_length():
         assert m.width_for(gamma, bool(capped)) == width, (gamma, capped)
 
     class Seq:
-        host, block = [], 8
+        host, block, state, accept_lengths = [], 8, {}, [3]
     assert m.plan(Seq()).block == 8                  # the first round: the start block
     Seq.host = [3, 0, 1]
     assert m.plan(Seq()).block == 4
@@ -229,7 +229,9 @@ def test_options_name_the_compiled_steps():
     eight = m.key_name()
     m.begin(RunInfo(1, 1, set(), {}))
     assert m.key_name() != eight
-    assert [p.block for p in LibraSpec().plans()] == [4, 8, 16, 32]
+    assert [(p.block, p.variant) for p in LibraSpec().plans()] == \
+        [(1, "ar"), (4, ""), (8, ""), (16, ""), (32, "")]
+    assert [p.block for p in LibraSpec(blocks=(4, 8, 16, 32)).plans()] == [4, 8, 16, 32]
     from fastspec.config import FastspecError
     with pytest.raises(FastspecError):
         LibraSpec(block=16, blocks=(4, 8))
@@ -296,7 +298,7 @@ def test_chosen_lengths_shrink_as_concurrency_grows():
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
     reports = {}
     for c in (1, 8):
-        m = LibraSpec(block=8)
+        m = LibraSpec(block=8, blocks=(4, 8, 16, 32))          # the stop rule alone (no AR rounds)
         engine.generate(ps, params, method=m, concurrency=c)
         reports[c] = m.report()
     assert reports[1]["concurrency"] == 1 and reports[8]["rows"] == 8
@@ -330,25 +332,33 @@ def law_engine():
     return Engine(loaded, backend="eager")
 
 
-def test_sampled_libraspec_follows_ar_sampling_law(law_engine):
+@pytest.mark.parametrize("cost", ["widths", "ar_rounds"])
+def test_sampled_libraspec_follows_ar_sampling_law(law_engine, cost):
     """Tokens past the first round (whose width the first round's length chose): the law of
     (x1, x2, x3) and the marginals of x4..x6 match AR sampling's within the permutation bound
-    (test_sampling_law shows the same check rejects a sampler that skips rejection sampling)."""
+    (test_sampling_law shows the same check rejects a sampler that skips rejection sampling).
+    widths: cheap tokens, the widths move; ar_rounds: dear ones, three drafting rounds (6 tokens
+    or more) then AR rounds, so the marginals of x4..x12 are checked."""
     n, prompt = 1500, [5, 9, 11]
-    law_engine._forward_cost = lambda rows, tokens: 10.0 + 0.05 * tokens   # lengths vary
+    tokens = 6 if cost == "widths" else 12
+    law_engine._forward_cost = {"widths": lambda rows, tokens: 10.0 + 0.05 * tokens,
+                                "ar_rounds": lambda rows, tokens: 10.0 + 3.0 * tokens}[cost]
 
     def sample(method, first_seed):
-        params = [SamplingParams(temperature=1.0, max_new_tokens=6, seed=first_seed + i,
+        params = [SamplingParams(temperature=1.0, max_new_tokens=tokens, seed=first_seed + i,
                                  ignore_eos=True) for i in range(n)]
         out = law_engine.generate([prompt] * n, params, method=method, concurrency=128)
         return [tuple(c.token_ids) for c in out]
-    m = LibraSpec(block=4, blocks=(4, 8))
+    m = LibraSpec(block=4, blocks=(4, 8) if cost == "widths" else (1, 4, 8))
     lib = sample(m, 50_000)
     ar = sample("ar", 10_000)
-    assert len(m.report()["width_share"]) == 2                   # widths moved between rounds
+    if cost == "widths":
+        assert len(m.report()["width_share"]) == 2               # widths moved between rounds
+    else:
+        assert 0.3 < m.report()["ar_share"] < 1.0, m.report()  # drafting, then AR rounds
     assert len(set(s[:3] for s in lib)) > 50                     # a real law, not a point mass
     pairs = [([s[:3] for s in ar], [s[:3] for s in lib])] + \
-        [([s[k] for s in ar], [s[k] for s in lib]) for k in range(3, 6)]
+        [([s[k] for s in ar], [s[k] for s in lib]) for k in range(3, tokens)]
     for a, b in pairs:
         assert tv(a, b) <= null_quantile(a, b), (tv(a, b), null_quantile(a, b))
 
@@ -360,3 +370,103 @@ def test_a_step_writes_and_is_priced_at_its_own_width():
     m = LibraSpec(block=4)
     assert [m.step_width(Plan(b)) for b in (2, 4, 8, 16)] == [2, 4, 8, 16]
     assert m.step_cost(4, Plan(8), lambda rows, tokens: rows * 100 + tokens) == 2 * 408
+
+
+# --- AR rounds: where no width pays --------------------------------------------------------
+class PlanSeq:
+    """What LibraSpec's planner reads of a request."""
+
+    def __init__(self, block):
+        self.host, self.block, self.state, self.accept_lengths = [], block, {}, []
+
+
+def test_the_planner_takes_ar_rounds_and_looks_again_every_explore_rounds():
+    """T(rows, tokens) = 10 + tokens: a width-8 round costs 36 ms, width 4 28 ms, an AR round 11
+    (.091 tokens a ms). Drafting rounds that commit 4, 2, 2 tokens (.111, .071, .071 a ms: mean
+    .091, then .085) turn the request to AR rounds (γ = 0 in the report); after EXPLORE of them it
+    drafts once at the width its last drafting round chose, and that round alone decides again;
+    a look that finds AR again doubles the wait (16, then 32 AR rounds); a look that commits 4
+    tokens (.143 a ms) goes back to drafting."""
+    from fastspec.methods.ar_rounds import EXPLORE
+    m = LibraSpec(block=8)
+    m.begin(RunInfo(1, 1, set(), {}, lambda r, t: 10.0 + t))        # a perfect draft pays
+    assert m.look_pays and m.round_ms(4, 1) == 28.0
+    seq = PlanSeq(8)
+    seq.host, seq.accept_lengths = [3, 0, 1], [4]                   # 4 tokens for 36 ms: drafting
+    for tokens, block in ((None, 4), (2, 4), (2, 1)):
+        if tokens:
+            seq.accept_lengths.append(tokens)
+        seq.block = m.plan(seq).block
+        assert seq.block == block, (tokens, seq.state)
+    plans = [(1, "ar")]
+    for _ in range(3 * EXPLORE + 1):
+        p = m.plan(seq)
+        plans.append((p.block, p.variant))
+        # An AR round's host values are zeros and it commits 1 token; a look commits 2.
+        seq.block = p.block
+        seq.host, seq.accept_lengths[-1] = ([0, 0, 0], 1) if p.variant == "ar" else ([3, 0, 1], 2)
+    looks = [i for i, p in enumerate(plans) if p != (1, "ar")]
+    assert looks == [EXPLORE, 3 * EXPLORE + 1], plans      # after 16, then 32 AR rounds in a row
+    assert plans[EXPLORE] == (4, "")                        # at the last drafting width
+    rep = m.report()
+    assert rep["looks"] == 2 and rep["gamma_share"][0] > 0.9 and rep["ar_share"] > 0.9
+    # The last look commits 4 tokens: drafting goes on, and the wait is 16 again.
+    seq.accept_lengths[-1] = 4
+    assert m.plan(seq).block == 4 and m.switch.explore == EXPLORE
+
+    dear = LibraSpec(block=8)
+    dear.begin(RunInfo(8, 8, set(), {}, lambda r, t: 10.0 * r * t))   # never, even perfect
+    assert not dear.look_pays
+    seq = PlanSeq(8)
+    assert dear.plan(seq) == Plan(1, "ar")                 # not even its first round drafts
+    for _ in range(3 * EXPLORE):
+        seq.block, seq.host, seq.accept_lengths = 1, [0, 0, 0], [1]
+        assert dear.plan(seq) == Plan(1, "ar")
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_where_drafting_does_not_pay_libraspec_takes_ar_rounds_and_still_equals_ar(drafter, concurrency):
+    """Dear tokens (T = 10 ms a token and row): every round is an AR round, one forward each,
+    and the output is AR's. Cheap tokens and drafts that are right (a predictable model): no AR
+    round at all."""
+    engine = Engine(drafter, backend="eager")
+    ps = random_token_prompts(4, seed=30 + concurrency)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ar = engine.generate(ps, params, method="ar", concurrency=concurrency)
+    engine._forward_cost = lambda rows, tokens: 10.0 * rows * tokens
+    m = LibraSpec(block=8)
+    out = engine.generate(ps, params, method=m, concurrency=concurrency)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    rep = m.report()
+    # Not even a perfect draft pays at these costs: every round is an AR round, the first too.
+    assert not m.look_pays and rep["ar_share"] == 1.0 and rep["looks"] == 0, rep
+    for c in out:                        # every AR round is one forward and one token
+        assert set(c.accept_lengths) == {1} and c.forwards == 1 + len(c.accept_lengths)
+    engine = Engine(copy_model(), backend="eager")
+    ps = [p[:6] for p in random_token_prompts(4, seed=30 + concurrency, vocab=32)]
+    ar = engine.generate(ps, params, method="ar", concurrency=concurrency)
+    engine._forward_cost = lambda rows, tokens: 10.0
+    m = LibraSpec(block=8)
+    out = engine.generate(ps, params, method=m, concurrency=concurrency)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    assert m.report()["ar_share"] == 0.0 and m.report()["mean_gamma"] > 2, m.report()
+
+
+def test_a_run_mixes_ar_and_drafting_rounds_and_still_equals_ar(drafter):
+    """T = 10 + 3·tokens: a random drafter's rounds rarely beat AR's 13 ms, a perfect one would
+    (4 tokens for 44 ms): requests switch between AR rounds and looks at their drafts, requests
+    admitted later start with AR rounds as the run mostly does, and the output is AR's."""
+    engine = Engine(drafter, backend="eager")
+    ps = random_token_prompts(8, seed=50)
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    ar = engine.generate(ps, params, method="ar", concurrency=3)
+    engine._forward_cost = lambda rows, tokens: 10.0 + 3.0 * tokens
+    m = LibraSpec(block=4, blocks=(1, 4, 8))
+    out = engine.generate(ps, params, method=m, concurrency=3)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    rep = m.report()
+    assert m.look_pays and rep["looks"] >= 3 and 0.5 < rep["ar_share"] < 1.0, rep
+    # The first requests drafted in their first round (>= 2 tokens: d1 is exact), later ones
+    # started with an AR round (1 token).
+    assert all(c.accept_lengths[0] >= 2 for c in out[:3])
+    assert any(c.accept_lengths[0] == 1 for c in out[3:])

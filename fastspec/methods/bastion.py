@@ -34,6 +34,12 @@ Node budget per request per round (host side, `plan`): the smallest bucket holdi
 rule wanted last round (one bucket up when it wanted more than the budget). Inside a
 step of width N every node is computed anyway, so the tree fills the budget with the next most
 likely candidates (`fill`), and steps are keyed by (rows, N) with bounded padding.
+
+Not drafting at all (budget 1 in `budgets`, the default set; `bastion[budgets=8/16/32]` is the
+rule alone): a request whose last tree rounds committed fewer tokens per ms than plain AR rounds
+would (a round of budget N priced T[N] = draft + an N-node forward, an AR round T(rows, 1), at
+the run's batch) takes AR rounds (methods/ar_rounds.py). What the verifier accepted decides, not
+the tree's path probabilities: on the shipped adapter those are about half the acceptance rate.
 """
 from __future__ import annotations
 
@@ -41,6 +47,8 @@ import torch
 
 from fastspec.config import FastspecError
 from fastspec.graphs.keys import BATCH_BUCKETS
+from fastspec.methods.ar_rounds import (AR_BLOCK, AR_VARIANT, ARSwitch, ar_round, drafting_blocks,
+                                        perfect_draft_pays)
 from fastspec.methods.base import Method, Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import (DrafterChoice, commit_path, draft_positions, draft_stats,
                                      make_drafter)
@@ -49,7 +57,9 @@ from fastspec.tree import best_first_tree, tree_mask
 from fastspec.verify import accept_tree
 
 BUDGETS = (8, 16, 32)
+DEFAULT_BUDGETS = (AR_BLOCK,) + BUDGETS
 H_WANTED, H_NODES = 0, 1        # host columns: nodes the rule wanted, nodes laid out (valid)
+HOST_COLUMNS = 2
 
 
 class BASTION(DrafterChoice, Method):
@@ -60,25 +70,28 @@ class BASTION(DrafterChoice, Method):
     widen_joined = True             # (its round builds every tree to the step's width anyway)
 
     def __init__(self, block: int = 16, draft_block: int = 8, top_k: int = 8,
-                 budgets: tuple[int, ...] = BUDGETS, fill: bool = True, drafter: str = "self",
+                 budgets: tuple[int, ...] = DEFAULT_BUDGETS, fill: bool = True, drafter: str = "self",
                  window: int = 1024):
-        """block: the starting node budget (one of `budgets`). draft_block: the draft forward's
+        """block: the starting node budget (one of `budgets`; 1 in them adds the plain AR round,
+        taken where no tree pays: module doc). draft_block: the draft forward's
         width (max tree depth draft_block − 1). top_k: candidates per depth. fill: fill the
         budget after the stopping rule (nodes cost nothing extra in a step of that width).
         drafter: "self" (the backbone's adapter) or "dflash" (the model's DFlash drafter, with a
         context ring of `window` committed tokens per request)."""
         self.source = make_drafter(drafter, window, draft_block)
         budgets = (budgets,) if isinstance(budgets, int) else tuple(sorted(set(budgets)))
-        if block not in budgets:
-            raise FastspecError(f"bastion: starting budget {block} must be one of {budgets}")
-        if min(budgets) < 2:
-            raise FastspecError(f"bastion: node budgets must be >= 2, got {budgets}")
+        self.tree_budgets = drafting_blocks(budgets)
+        if block not in self.tree_budgets:
+            raise FastspecError(f"bastion: starting budget {block} must be one of {self.tree_budgets}")
+        if min(budgets) < 1 or not self.tree_budgets or min(self.tree_budgets) < 2:
+            raise FastspecError(f"bastion: node budgets must be 1 (the AR round) or >= 2, got {budgets}")
         if not 2 <= draft_block <= 64:
             raise FastspecError(f"bastion: draft block must be in 2..64, got {draft_block}")
         if top_k < 1:
             raise FastspecError(f"bastion: top_k must be >= 1, got {top_k}")
         super().__init__(block)
         self.budgets, self.draft_block, self.top_k, self.fill = budgets, draft_block, top_k, bool(fill)
+        self.ar = AR_BLOCK in budgets
         self.max_depth = draft_block - 1
         # (rows, budget) -> T[n], the ms of a round with an n-node tree: read inside the traced
         # step (a constant there); one dict updated in place so compiled steps stay valid.
@@ -97,15 +110,23 @@ class BASTION(DrafterChoice, Method):
         fresh = fresh_counts(run)
         run = run or RunInfo(1, 1, set(), {})          # a nominal cost model until a run gives one
         self.forward_ms = run.forward_ms
+        self.draft_share = self.source.draft_share(getattr(run, "model", None))
         for rows in (b for b in BATCH_BUCKETS if b <= max(run.rows, 1)):
-            for budget in self.budgets:
+            for budget in self.tree_budgets:
                 self.cost_tables[(rows, budget)] = self._costs(rows, budget)
+        # A look at the drafts after a run of AR rounds: only where a perfect draft could pay
+        # (a tree of n nodes emits at most min(n, draft block) tokens).
+        self.rows = max(run.rows, 1)
+        self.look_pays = perfect_draft_pays(
+            ((min(n, self.draft_block), self.cost_table(self.rows, n)[n]) for n in self.tree_budgets),
+            self.forward_ms(self.rows, 1))
         if fresh:
             self.stats = {"rounds": 0, "wanted": 0, "nodes": 0, "budget": 0, "tokens": 0}
+            self.switch = ARSwitch()                # who builds trees, who takes AR rounds
             self.budget_rounds: dict[int, int] = {}
 
     def _costs(self, rows: int, budget: int) -> tuple[float, ...]:
-        draft = self.forward_ms(rows, self.draft_block)
+        draft = self.draft_share * self.forward_ms(rows, self.draft_block)
         return tuple(draft + self.forward_ms(rows, max(n, 1)) for n in range(budget + 2))
 
     def cost_table(self, rows: int, budget: int) -> tuple[float, ...]:
@@ -118,23 +139,39 @@ class BASTION(DrafterChoice, Method):
     def plan(self, seq) -> Plan:
         h = seq.host
         budget = seq.block or self.block
+        if not h and self.ar and self.switch.first_is_ar(self.look_pays, self.budget_rounds.get(AR_BLOCK, 0),
+                                             sum(self.budget_rounds.values())):
+            budget = AR_BLOCK
         if h:
-            wanted = h[H_WANTED]
-            st = self.stats
-            st["rounds"] += 1
-            st["wanted"] += wanted
-            st["nodes"] += h[H_NODES]
-            st["budget"] += budget
-            st["tokens"] += seq.accept_lengths[-1] if seq.accept_lengths else 0
-            if wanted > budget:           # the rule wanted more than the budget: one bucket up
-                budget = next((b for b in self.budgets if b > budget), self.budgets[-1])
-            else:
-                budget = next(b for b in self.budgets if b >= wanted)
+            drafted = budget != AR_BLOCK
+            st, tb = self.stats, self.tree_budgets
+            if drafted:
+                wanted = h[H_WANTED]
+                st["rounds"] += 1
+                st["wanted"] += wanted
+                st["nodes"] += h[H_NODES]
+                st["budget"] += budget
+                tokens = seq.accept_lengths[-1] if seq.accept_lengths else 0
+                st["tokens"] += tokens
+                if self.ar:
+                    self.switch.record(seq, tokens, self.cost_table(self.rows, budget)[budget])
+                # The rule's next budget (kept for a later look); one bucket up when it wanted
+                # more than the budget.
+                budget = next((b for b in tb if b > budget), tb[-1]) if wanted > budget else \
+                    next(b for b in tb if b >= wanted)
+                seq.state["budget"] = budget
+            if self.ar and self.switch.next_is_ar(seq, self.forward_ms(self.rows, 1), self.look_pays):
+                budget = AR_BLOCK
+            elif not drafted:             # a look at the drafts again, at the last budget
+                budget = seq.state.get("budget", self.block)
         self.budget_rounds[budget] = self.budget_rounds.get(budget, 0) + 1
-        return Plan(budget)
+        return Plan(budget, AR_VARIANT if budget == AR_BLOCK else "")
 
     def plans(self) -> list[Plan]:
-        return [Plan(b) for b in self.budgets]
+        return [Plan(b, AR_VARIANT if b == AR_BLOCK else "") for b in self.budgets]
+
+    def forwards_for(self, variant: str) -> int:
+        return 1 if variant == AR_VARIANT else self.forwards
 
     def max_block(self) -> int:
         return self.max_depth + 1            # the path after the seed plus the verifier's token
@@ -143,9 +180,13 @@ class BASTION(DrafterChoice, Method):
         return max(max(self.budgets), self.draft_block)
 
     def step_width(self, plan: Plan) -> int:
+        if plan.variant == AR_VARIANT:
+            return 1
         return max(plan.block, self.draft_block)      # the draft block, then a tree of plan.block nodes
 
     def step_cost(self, rows: int, plan: Plan, forward_ms) -> float:
+        if plan.variant == AR_VARIANT:
+            return forward_ms(rows, 1)
         return forward_ms(rows, self.draft_block) + forward_ms(rows, plan.block)
 
     def report(self) -> dict:
@@ -154,6 +195,7 @@ class BASTION(DrafterChoice, Method):
         r = max(st["rounds"], 1)
         n = max(sum(self.budget_rounds.values()), 1)
         return {"drafter": self.source.name, "rounds": st["rounds"], "mean_wanted_nodes": st["wanted"] / r,
+                "ar_share": self.budget_rounds.get(AR_BLOCK, 0) / n, "looks": self.switch.looks,
                 "mean_nodes": st["nodes"] / r, "mean_budget": st["budget"] / r,
                 "tau": st["tokens"] / r,
                 "budget_share": {b: c / n for b, c in sorted(self.budget_rounds.items())}}
@@ -178,6 +220,8 @@ class BASTION(DrafterChoice, Method):
         return probs
 
     def round(self, step, pending, blocks, carry, variant="") -> RoundOutput:
+        if variant == AR_VARIANT:
+            return ar_round(self.source, step, pending, carry, HOST_COLUMNS)
         N, S, D, W = step.width, pending.shape[0], self.max_depth, self.draft_block
         dev = pending.device
         chain = draft_positions(self.source, step, W, dev)                 # [S, W] or None

@@ -113,6 +113,10 @@ class AdapterDraft:
     def key_name(self) -> str:
         return "self"
 
+    def draft_share(self, model) -> float:
+        """A draft forward's cost as a share of the target's forward of the same width."""
+        return 1.0                   # the backbone itself drafts
+
     def bind_run(self, run) -> None:
         pass
 
@@ -196,6 +200,14 @@ class DFlashDraft:
 
     def key_name(self) -> str:
         return f"dflash(window={self.window})"
+
+    def draft_share(self, model) -> float:
+        """The drafter's layers over the target's (the head, which both run, left out: a low
+        estimate, so a planner that weighs drafting against AR leans to drafting)."""
+        cfg = getattr(model, "cfg", None)
+        if self.drafter is None or cfg is None:
+            return 1.0
+        return self.drafter.cfg.layers.num_layers / cfg.num_layers
 
     def carry_spec(self) -> dict:
         layers, kv_heads, head_dim = self.bound().kv_shape

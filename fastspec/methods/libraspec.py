@@ -48,6 +48,14 @@ the forward has computed those logits anyway, so judging them is free and only a
 tokens. Requests with equal widths run together (bucketing); the draft width equals the verify
 width, so the round costs 2·T(W − 1) and the rule (homogeneous in T) is the same for it.
 
+Not drafting at all (block 1 in `blocks`, the default set; `libraspec[blocks=4/8/16/32]` is the
+rule alone): a request whose last drafting rounds committed fewer tokens per ms than plain AR
+rounds would takes AR rounds (methods/ar_rounds.py; γ = 0 in the report). A round of width W
+costs a draft and a verify forward, (1 + share) · T(W − 1) (share: the draft forward's cost over
+the target's, 1 for the backbone); an AR round T(0). With the shipped Zen 4 profile a width-4
+round must commit more than 2.07 tokens at rows 1 (32.7 ms against 15.8), 3.60 at rows 4 and
+4.69 at rows 8 (139.3 against 29.7 ms; more than it can) to beat AR.
+
 Sampling stays lossless: a round's width is fixed by earlier rounds, and the confidences are
 top-1 probabilities of the drafter's distributions, not of its sampled tokens.
 """
@@ -60,6 +68,8 @@ import torch
 
 from fastspec.config import FastspecError
 from fastspec.graphs.keys import BATCH_BUCKETS
+from fastspec.methods.ar_rounds import (AR_BLOCK, AR_VARIANT, ARSwitch, ar_round, drafting_blocks,
+                                        perfect_draft_pays)
 from fastspec.methods.base import Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import DrafterChoice, chain_round, make_drafter
 from fastspec.methods.linear import BLOCK_SIZES, LinearSS
@@ -67,6 +77,8 @@ from fastspec.methods.linear import BLOCK_SIZES, LinearSS
 # RoundOutput.host columns: the chosen length, "still extending at the last known draft", the
 # rows whose forward cost chose it.
 H_GAMMA, H_CAPPED, H_ROWS = 0, 1, 2
+HOST_COLUMNS = 3
+DEFAULT_BLOCKS = (AR_BLOCK,) + BLOCK_SIZES
 
 
 def stop_length(conf: Sequence[float], cost: Sequence[float]) -> int:
@@ -107,10 +119,11 @@ class LibraSpec(DrafterChoice, LinearSS):
     widen_joined = True
     forwards = 2
 
-    def __init__(self, block: int = 8, blocks: tuple[int, ...] | int = BLOCK_SIZES,
+    def __init__(self, block: int = 8, blocks: tuple[int, ...] | int = DEFAULT_BLOCKS,
                  cost_rows: str = "batch", drafter: str = "self", window: int = 1024):
         """block: the width of a request's first round. blocks: the verify widths the chosen
-        lengths are rounded up to (each a step of its own, warmed before timing).
+        lengths are rounded up to (each a step of its own, warmed before timing); 1 adds the
+        plain AR round, taken where no width pays (module doc).
         cost_rows: the rows T is read at: "batch", the run's batch bucket (the load C; requests
         split into widths still pay for the whole round), or "step", the rows of the step that
         ran the round (a group of few rows sees cheap tokens and keeps its long widths).
@@ -123,12 +136,16 @@ class LibraSpec(DrafterChoice, LinearSS):
         self.cost_rows = cost_rows
         blocks = (blocks,) if isinstance(blocks, int) else blocks
         self.blocks = tuple(sorted(set(blocks)))
-        bad = [b for b in self.blocks if b not in BLOCK_SIZES]
-        if bad or not self.blocks:
-            raise FastspecError(f"libraspec blocks must be among {BLOCK_SIZES}, got {blocks}")
-        if block not in self.blocks:
-            raise FastspecError(f"libraspec start block {block} must be one of {self.blocks}")
+        bad = [b for b in self.blocks if b not in DEFAULT_BLOCKS]
+        self.draft_blocks = drafting_blocks(self.blocks)
+        if bad or not self.draft_blocks:
+            raise FastspecError(f"libraspec blocks must be among {DEFAULT_BLOCKS} (one of them "
+                                f"above 1), got {blocks}")
+        if block not in self.draft_blocks:
+            raise FastspecError(f"libraspec start block {block} must be one of {self.draft_blocks}")
+        self.ar = AR_BLOCK in self.blocks
         self.costs: dict[int, tuple[float, ...]] = {}
+        self.draft_share = 1.0
         self.begin(None)
 
     # --- host side --------------------------------------------------------------------------
@@ -149,10 +166,15 @@ class LibraSpec(DrafterChoice, LinearSS):
         # Same numbers, same object: a compiled step that baked the old table stays valid.
         if costs != self.costs:
             self.costs = costs
+        self.draft_share = self.source.draft_share(getattr(run, "model", None))
+        t = self.costs_for(run.rows)
+        # A look at the drafts after a run of AR rounds: only where a perfect draft could pay.
+        self.look_pays = perfect_draft_pays(((w, self.round_ms(w, run.rows)) for w in self.draft_blocks), t[0])
         if fresh:
             self.gammas: Counter = Counter()        # chosen length -> rounds
             self.widths: Counter = Counter()        # verify width -> rounds
             self.capped = 0
+            self.switch = ARSwitch()                # who drafts, who takes AR rounds
             self.by_rows: dict[int, list[int]] = {} # rows T was read at -> [Σγ, rounds]
 
     def cost_table(self, forward_ms: Callable[[int, int], float]) -> dict[int, tuple[float, ...]]:
@@ -168,8 +190,15 @@ class LibraSpec(DrafterChoice, LinearSS):
             table = tuple(float(self.run.forward_ms(rows, g + 1)) for g in range(self.max_block() + 1))
         return table
 
+    def round_ms(self, width: int, rows: int) -> float:
+        """ms of a drafting round of `width` at `rows`: a draft and a verify forward."""
+        return (1.0 + self.draft_share) * self.costs_for(rows)[width - 1]
+
     def plans(self) -> list[Plan]:
-        return [Plan(b) for b in self.blocks]
+        return [Plan(b, AR_VARIANT if b == AR_BLOCK else "") for b in self.blocks]
+
+    def forwards_for(self, variant: str) -> int:
+        return 1 if variant == AR_VARIANT else self.forwards
 
     def max_block(self) -> int:
         return max(self.blocks)
@@ -178,28 +207,39 @@ class LibraSpec(DrafterChoice, LinearSS):
         """The next verify width: the smallest block holding γ + 1 tokens (one more when the rule
         was still extending at the last draft it could see), else the widest."""
         need = gamma + 1 + int(capped)
-        return next((b for b in self.blocks if b >= need), self.blocks[-1])
+        return next((b for b in self.draft_blocks if b >= need), self.draft_blocks[-1])
 
     def plan(self, seq) -> Plan:
         h = seq.host
         if not h:                                   # first round: no confidences yet
             width = seq.block or self.block
+            if self.ar and self.switch.first_is_ar(self.look_pays, self.widths[AR_BLOCK], sum(self.widths.values())):
+                width = AR_BLOCK
         else:
-            gamma, capped, rows = h[H_GAMMA], h[H_CAPPED], h[H_ROWS]
-            self.gammas[gamma] += 1
-            self.capped += capped
-            acc = self.by_rows.setdefault(rows, [0, 0])
-            acc[0] += gamma
-            acc[1] += 1
-            width = self.width_for(gamma, bool(capped))
+            drafted = seq.block != AR_BLOCK
+            gamma, capped, rows = h[H_GAMMA], h[H_CAPPED], h[H_ROWS] or self.run.rows
+            if drafted:                             # the rule's width (kept for a later look)
+                width = seq.state["width"] = self.width_for(gamma, bool(capped))
+                if self.ar:
+                    self.switch.record(seq, seq.accept_lengths[-1], self.round_ms(seq.block, rows))
+            if self.ar and self.switch.next_is_ar(seq, self.costs_for(rows)[0], self.look_pays):
+                gamma, capped, width = 0, 0, AR_BLOCK       # γ = 0: nothing drafted
+            elif not drafted:                       # a look at the drafts again
+                gamma, width = None, seq.state.get("width", self.block)
+            if gamma is not None:
+                self.gammas[gamma] += 1
+                self.capped += capped
+                acc = self.by_rows.setdefault(rows, [0, 0])
+                acc[0] += gamma
+                acc[1] += 1
         self.widths[width] += 1
-        return Plan(width)
+        return Plan(width, AR_VARIANT if width == AR_BLOCK else "")
 
     def report(self) -> dict:
         """The last run, at its concurrency: the share of rounds per verify width (every planned
-        round) and per chosen length γ (every round a next round was planned from: a request's
-        last round is not), mean γ overall and per rows T was read at, and T(γ) at the run's
-        rows."""
+        round; width 1: AR rounds) and per chosen length γ (every round a next round was planned
+        from: a request's last round is not; γ = 0: an AR round), mean γ overall and per rows T
+        was read at, and T(γ) at the run's rows."""
         n_g = max(sum(self.gammas.values()), 1)
         n_w = max(sum(self.widths.values()), 1)
         return {"drafter": self.source.name, "concurrency": self.run.concurrency, "rows": self.run.rows,
@@ -210,6 +250,7 @@ class LibraSpec(DrafterChoice, LinearSS):
                 "width_share": {w: c / n_w for w, c in sorted(self.widths.items())},
                 "mean_width": sum(w * c for w, c in self.widths.items()) / n_w,
                 "capped_share": self.capped / n_g,
+                "ar_share": self.widths.get(AR_BLOCK, 0) / n_w, "looks": self.switch.looks,
                 "mean_gamma_by_rows": {r: s / max(k, 1) for r, (s, k) in sorted(self.by_rows.items())},
                 "cost_ms": {g: round(t, 3) for g, t in
                             enumerate(self.costs_for(self.run.rows)[:9])}}
@@ -231,6 +272,8 @@ class LibraSpec(DrafterChoice, LinearSS):
         return gamma, gamma >= known, rows
 
     def round(self, step, pending, blocks, carry, variant="") -> RoundOutput:
+        if variant == AR_VARIANT:
+            return ar_round(self.source, step, pending, carry, HOST_COLUMNS)
         out = chain_round(self.source, step, pending, blocks, carry)   # draft + verify
         gamma, capped, rows = self.lengths(step, out.draft_confidence, blocks)
         out.host = torch.stack([gamma, capped.long(), torch.full_like(gamma, rows)], 1)

@@ -67,10 +67,11 @@ import torch
 from fastspec.config import FastspecError
 from fastspec.convention import aligned_draft_logits, draft_block_mask, draft_adapter_flags
 from fastspec.layout import causal_block
+from fastspec.methods.ar_rounds import AR_BLOCK, EXPLORE, ar_round
 from fastspec.methods.base import CarrySpec, Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import draft_stats_and_alternatives, exact_first_draft
-from fastspec.methods.linear import BLOCK_SIZES, LinearSS
-from fastspec.sampling import filtered_logprobs, sample_from_logprobs, sample_tokens
+from fastspec.methods.linear import BLOCK_SIZES, SELF_DRAFT, LinearSS
+from fastspec.sampling import filtered_logprobs, sample_from_logprobs
 from fastspec.survival import SurvivalTables, choose_block, history_signal, stratum
 from fastspec.verify import accept_chain
 from fastspec.graphs.keys import batch_bucket
@@ -90,8 +91,6 @@ MAX_ALTS = 3                    # guessed alternatives per draft position (`alts
 # Step-time model (RecGuide.timed_step): the machine's level follows its load within a few
 # steps; a step's shape against the profile is a property of the step, learned as slowly.
 LEVEL_RATE, SHAPE_RATE = 0.3, 0.05
-AR_BLOCK = 1                    # the block that is a plain AR round (no draft, one forward)
-EXPLORE = 16                    # every EXPLORE AR rounds in a row, a request may draft once again
 
 
 def slots_of(variant: str) -> int:
@@ -693,12 +692,9 @@ class RecGuide(LinearSS):
     def ar_round(self, step, pending, carry) -> RoundOutput:
         """Block 1: one forward of the seed, its token committed (the AR round). Carried drafts
         no longer line up with the sequence: dropped. Host values as a drafting round's, zeros."""
-        logits = step.forward(pending[:, None], causal_block(1, pending.device))
-        token = sample_tokens(logits[:, 0], step.sampler)
-        new = dict(carry, valid=torch.zeros_like(carry["valid"]))
-        host = torch.zeros(pending.shape[0], H_COVERED + self.n_cand, dtype=torch.long, device=pending.device)
-        return RoundOutput(token[:, None], torch.ones_like(pending), torch.zeros_like(pending),
-                           carry=new, host=host)
+        out = ar_round(SELF_DRAFT, step, pending, carry, H_COVERED + self.n_cand)
+        out.carry = dict(carry, valid=torch.zeros_like(carry["valid"]))
+        return out
 
     def stats(self, logits: torch.Tensor, drafts: torch.Tensor):
         """Per position: the draft's probability, top-1, margin, and [S, n, alts] the best tokens

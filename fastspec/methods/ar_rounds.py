@@ -1,0 +1,134 @@
+"""Plain AR rounds for drafting methods: where drafting does not pay on this device and load.
+
+A drafting round costs a draft forward and a verify forward; on a CPU under load (C >= 4 on
+2 cores) the verify's extra tokens are no longer free, and one token per single-token forward
+can beat what a round commits per millisecond. A method whose block set holds AR_BLOCK (1) then
+plans a plain AR round (variant "ar": one forward of the seed, no draft), per request and per
+round, as a server turns speculation off by batch size:
+
+    after a drafting round   AR iff the request's last HISTORY drafting rounds (since its
+                             last AR round) committed fewer tokens per ms than an AR round does:
+                             mean(k_i / T_i) <= 1 / T_AR, k_i the tokens round i committed, T_i
+                             its cost and T_AR one AR round's, from the device profile at the
+                             run's batch (verification-guided: what the verifier accepted, not
+                             what the drafter believed; BASTION's tree marginals, for one,
+                             under-state acceptance by half on this model)
+    after an AR round        AR again; after EXPLORE AR rounds in a row the request drafts once
+                             (at its last drafting width) to look at its drafts again, but only
+                             where a perfect draft could beat AR at all (`perfect_draft_pays`):
+                             a look that cannot pay would only add a step to everyone's round.
+                             Each look that finds AR again doubles the run's wait before the
+                             next (`ARSwitch`)
+    first round              AR where no draft could pay, or where the run has mostly taken AR
+                             rounds (`ARSwitch.first_is_ar`); else the method's start block
+
+An AR round is lossless as any: the seed's forward and the shared sampler. A drafter with a
+context (DFlash's ring) still learns the committed seed.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+from fastspec.layout import causal_block
+from fastspec.methods.base import RoundOutput
+from fastspec.sampling import sample_tokens
+
+AR_BLOCK = 1                    # the block that is a plain AR round (no draft, one forward)
+AR_VARIANT = "ar"
+EXPLORE = 16                    # after EXPLORE AR rounds in a row, a request may draft once again
+EXPLORE_MAX = 128               # ... and after at most this many, however often looks found AR
+HISTORY = 3                     # drafting rounds whose rate decides (RecGuide's signal: 3 rounds)
+
+
+def ar_round(source, step, pending: torch.Tensor, carry: dict, host_columns: int) -> RoundOutput:
+    """One forward of the seed, its token committed. source: the method's drafter (its verify
+    forward; a drafter with a context commits the seed). Host values: zeros, as many columns as
+    the method's drafting rounds report (one host read concatenates every group's)."""
+    S, dev = pending.shape[0], pending.device
+    positions = step.lengths[:, None] if source.has_context else None
+    logits, hidden = source.verify(step, pending[:, None], causal_block(1, dev))
+    token = sample_tokens(logits[:, 0], step.sampler)
+    new = source.commit(carry, hidden, positions, torch.ones(S, 1, dtype=torch.bool, device=dev))
+    host = torch.zeros(S, host_columns, dtype=torch.long, device=dev)
+    return RoundOutput(token[:, None], torch.ones_like(pending), torch.zeros_like(pending),
+                       carry=new, host=host)
+
+
+def perfect_draft_pays(rounds: Iterable[tuple[int, float]], ar_ms: float) -> bool:
+    """Could any drafting round beat AR if every draft were accepted? rounds: (tokens a perfect
+    round commits, ms of that round) for each drafting plan; ar_ms: one AR round.
+
+        C=1 (CPU): [(4, 33), (8, 48)], AR 16   -> 4/33 = .12 > 1/16 = .063: a look may pay
+        C=8 (CPU): [(4, 139), (8, 261)], AR 30 -> .029, .031 < .033: never
+    """
+    return any(tokens / ms > 1.0 / ar_ms for tokens, ms in rounds)
+
+
+class ARSwitch:
+    """Which requests of a run draft and which take AR rounds (host side, one per method and
+    run). Per request (seq.state): its last drafting rounds' rates, the AR rounds in a row, and
+    whether its last drafting round was a look. Per run: the AR rounds before a look, which
+    doubles (up to EXPLORE_MAX) each time a look finds drafting still does not pay, and is
+    EXPLORE again once one finds it does: whether drafting pays is mostly the load's doing, which
+    every request of the run shares, so one request's failed look spares the others theirs.
+
+        AR x16, look: AR again -> AR x32, look: AR again -> AR x64, look: drafts pay -> drafting
+    """
+
+    def __init__(self):
+        self.explore = EXPLORE
+        self.looks = 0
+
+    @staticmethod
+    def record(seq, tokens: int, ms: float) -> None:
+        """A drafting round of the request committed `tokens` in a round priced `ms`."""
+        rates = seq.state.setdefault("draft_rates", [])
+        rates.append(tokens / ms)
+        del rates[:-HISTORY]
+
+    @staticmethod
+    def drafting_pays(seq, ar_ms: float) -> bool:
+        """Did the request's recent drafting rounds commit more per ms than AR rounds would?
+        Judged on HISTORY rounds (one round is noise: a drafter right 60% of the time commits
+        2 tokens, the fewest, in 40% of its rounds), or on a look's own round."""
+        rates = seq.state.get("draft_rates") or []
+        if len(rates) < HISTORY and not seq.state.get("looked"):
+            return True
+        return sum(rates) / len(rates) > 1.0 / ar_ms
+
+    def next_is_ar(self, seq, ar_ms: float, look_pays: bool) -> bool:
+        """The request's next round (after `record` booked its last one if it drafted).
+        seq.block: its last round's block (AR_BLOCK: an AR round); ar_ms: one AR round at the
+        run's batch; look_pays: a perfect draft could beat AR (perfect_draft_pays). Going AR
+        forgets the drafting rates: a look decides by its own round alone; otherwise a request
+        drafts until HISTORY rounds say it should not."""
+        st = seq.state
+        if seq.block != AR_BLOCK:
+            ar = not self.drafting_pays(seq, ar_ms)
+            if st.get("looked"):
+                self.explore = min(2 * self.explore, EXPLORE_MAX) if ar else EXPLORE
+            st["ar_run"], st["looked"] = 0, False
+            if ar:
+                st["draft_rates"] = []
+            return ar
+        run = st["ar_run"] = st.get("ar_run", 0) + 1
+        if look_pays and run >= self.explore:
+            st["looked"] = True
+            self.looks += 1
+            return False
+        return True
+
+    @staticmethod
+    def first_is_ar(look_pays: bool, ar_rounds: int, rounds: int) -> bool:
+        """A new request's first round (no drafts seen yet): AR where not even a perfect draft
+        could pay at this load, or where the run's rounds so far were mostly AR rounds (at least
+        EXPLORE of them): it joins them rather than add a drafting step of its own to everyone's
+        round, and looks at its drafts when the run's wait is over."""
+        return not look_pays or (rounds >= EXPLORE and 2 * ar_rounds > rounds)
+
+
+def drafting_blocks(blocks: Sequence[int]) -> tuple[int, ...]:
+    """The blocks of a set that draft (all but the AR round)."""
+    return tuple(b for b in blocks if b != AR_BLOCK)
