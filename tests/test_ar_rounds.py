@@ -2,7 +2,10 @@
 and load, and takes one-forward AR rounds where they do not (fastspec/methods/ar_rounds.py)."""
 from types import SimpleNamespace
 
-from fastspec.methods.ar_rounds import EXPLORE, EXPLORE_MAX, HISTORY, ARSwitch, perfect_draft_pays
+import pytest
+
+from fastspec.methods.ar_rounds import (EXPLORE, EXPLORE_MAX, HISTORY, RATE_MEMORY, ARSwitch,
+                                        perfect_draft_pays)
 
 
 def request(block=8):
@@ -16,28 +19,40 @@ def test_a_perfect_draft_pays_at_low_load_and_not_under_load():
     assert not perfect_draft_pays([(4, 40.0)], 10.0)         # a tie is not a gain
 
 
-def test_drafting_pays_is_judged_on_the_last_rounds_per_ms():
-    """AR at 10 ms is .1 token a ms. Rounds of 2 tokens for 25 ms (.08) do not pay, rounds of 3
-    (.12) do; fewer than HISTORY rounds are not judged (drafting goes on); only the last HISTORY
-    rounds count."""
+def test_the_drafting_rate_is_a_moving_average_judged_after_history_rounds():
+    """AR at 10 ms is .1 token a ms. Rounds of 2 tokens for 25 ms (.08) are judged after HISTORY
+    of them: AR. Then each round of 4 tokens (.16) moves the average 1/RATE_MEMORY of the way:
+    .0933, .1044, .1137 -> drafting pays from the second."""
     seq, sw = request(), ARSwitch()
     for _ in range(HISTORY - 1):
         sw.record(seq, 2, 25.0)
-        assert sw.drafting_pays(seq, 10.0)
+        assert sw.drafting_pays(seq, 10.0) is None
     sw.record(seq, 2, 25.0)
-    assert not sw.drafting_pays(seq, 10.0)
-    for _ in range(HISTORY):
-        sw.record(seq, 3, 25.0)
-    assert sw.drafting_pays(seq, 10.0) and len(seq.state["draft_rates"]) == HISTORY
+    assert sw.drafting_pays(seq, 10.0) is False
+    rate, seen = 0.08, []
+    for _ in range(3):
+        sw.record(seq, 4, 25.0)
+        rate += (0.16 - rate) / RATE_MEMORY
+        assert seq.state["rate"] == pytest.approx(rate)
+        seen.append(sw.drafting_pays(seq, 10.0))
+    assert seen == [False, True, True]
 
 
 def test_looks_back_off_while_drafting_does_not_pay_and_reset_when_it_does():
-    """The wait before a look doubles with each look that finds AR again (16, 32, 64, 128, 128),
-    and it is the run's: a second request waits as long as the first one's last wait."""
+    """A request goes AR once HISTORY rounds say so; after the run's wait it looks: HISTORY
+    drafting rounds, judged alone. The wait doubles with each look that finds AR again (16, 32,
+    64, 128, 128), and it is the run's: a second request waits as long as the first one's last
+    wait. A look whose rounds pay sends the wait back to 16."""
     seq, sw = request(), ARSwitch()
-    for _ in range(HISTORY):
-        sw.record(seq, 2, 25.0)
-    assert sw.next_is_ar(seq, 10.0, look_pays=True) and seq.state["draft_rates"] == []
+
+    def draft(q, tokens):
+        """HISTORY drafting rounds of `tokens` each; True if q then goes AR."""
+        for i in range(HISTORY):
+            sw.record(q, tokens, 25.0)
+            ar = sw.next_is_ar(q, 10.0, look_pays=True)
+            if i < HISTORY - 1:
+                assert not ar                              # not judged yet: drafting goes on
+        return ar
 
     def wait(q):
         """AR rounds in a row before q looks (q has just gone AR)."""
@@ -46,16 +61,15 @@ def test_looks_back_off_while_drafting_does_not_pay_and_reset_when_it_does():
             n += 1
         q.block = 8
         return n
+    assert draft(seq, 2) and seq.state["rate"] is None      # AR, and the rate is forgotten
     waits = []
-    for _ in range(5):                 # each look commits 2 tokens again
+    for _ in range(5):                 # each look's rounds commit 2 tokens again
         waits.append(wait(seq))
-        sw.record(seq, 2, 25.0)
-        assert sw.next_is_ar(seq, 10.0, look_pays=True)  # one look's round decides
+        assert draft(seq, 2)
     assert waits == [EXPLORE, 2 * EXPLORE, 4 * EXPLORE, EXPLORE_MAX, EXPLORE_MAX] and sw.looks == 5
     other = request()
-    assert wait(other) == EXPLORE_MAX                    # the run's wait, not its own
-    sw.record(other, 4, 25.0)                            # a look that pays: drafting again
-    assert not sw.next_is_ar(other, 10.0, look_pays=True) and sw.explore == EXPLORE
+    assert draft(other, 2) and wait(other) == EXPLORE_MAX  # the run's wait, not its own
+    assert not draft(other, 4) and sw.explore == EXPLORE    # a look that pays: drafting again
     # Where not even a perfect draft pays, an AR run never ends.
     seq.block = 1
     assert all(sw.next_is_ar(seq, 10.0, look_pays=False) for _ in range(3 * EXPLORE_MAX))

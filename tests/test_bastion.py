@@ -178,24 +178,26 @@ def test_a_step_writes_its_draft_block_then_its_tree():
 # --- AR rounds: where no tree pays -----------------------------------------------------------
 def test_the_planner_takes_ar_rounds_and_looks_again_at_its_last_budget():
     """T(rows, n) = 10 + n: a round of budget 8 costs 36 ms (draft 18 + tree 18), an AR round 11.
-    Three tree rounds of 3 tokens (.083 a ms, below AR's .091) turn the request to AR rounds;
-    after EXPLORE of them it builds a tree at the budget its last tree round chose."""
-    from fastspec.methods.ar_rounds import EXPLORE
+    Tree rounds of 3 tokens (.083 a ms, below AR's .091) turn the request to AR rounds once
+    HISTORY of them came in; after EXPLORE AR rounds it looks with HISTORY trees at the budget
+    its last tree round chose."""
+    from fastspec.methods.ar_rounds import EXPLORE, HISTORY
     m = BASTION(block=16)
     m.begin(SimpleNamespace(rows=1, forward_ms=lambda rows, n: 10.0 + n))    # a perfect tree pays
     assert m.look_pays and m.cost_table(1, 8)[8] == 36.0
     seq = SimpleNamespace(host=[5, 8], block=8, accept_lengths=[3], state={})
     plans = []
-    for _ in range(EXPLORE + 4):
+    for _ in range(EXPLORE + 2 * HISTORY):
         p = m.plan(seq)
         plans.append((p.block, p.variant))
         seq.block = p.block
         seq.host, seq.accept_lengths[-1] = ([0, 0], 1) if p.variant == "ar" else ([5, 8], 3)
-    assert plans[:3] == [(8, "")] * 2 + [(1, "ar")]         # three rounds of evidence
-    assert plans[3:EXPLORE + 2] == [(1, "ar")] * (EXPLORE - 1)
-    assert plans[EXPLORE + 2:] == [(8, ""), (1, "ar")]     # its last budget; the look says AR
+    look = HISTORY - 1 + EXPLORE
+    assert plans[:HISTORY - 1] == [(8, "")] * (HISTORY - 1)
+    assert plans[HISTORY - 1:look] == [(1, "ar")] * EXPLORE
+    assert plans[look:look + HISTORY] == [(8, "")] * HISTORY and plans[look + HISTORY] == (1, "ar")
     rep = m.report()
-    assert rep["looks"] == 1 and rep["rounds"] == 4            # tree rounds only in the tree stats
+    assert rep["looks"] == 1 and rep["rounds"] == 2 * HISTORY   # tree rounds only in the tree stats
 
 
 @pytest.mark.parametrize("concurrency", [1, 3])

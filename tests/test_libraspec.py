@@ -381,38 +381,32 @@ class PlanSeq:
 
 
 def test_the_planner_takes_ar_rounds_and_looks_again_every_explore_rounds():
-    """T(rows, tokens) = 10 + tokens: a width-8 round costs 36 ms, width 4 28 ms, an AR round 11
-    (.091 tokens a ms). Drafting rounds that commit 4, 2, 2 tokens (.111, .071, .071 a ms: mean
-    .091, then .085) turn the request to AR rounds (γ = 0 in the report); after EXPLORE of them it
-    drafts once at the width its last drafting round chose, and that round alone decides again;
-    a look that finds AR again doubles the wait (16, then 32 AR rounds); a look that commits 4
-    tokens (.143 a ms) goes back to drafting."""
-    from fastspec.methods.ar_rounds import EXPLORE
+    """T(rows, tokens) = 10 + tokens: a width-4 round costs 28 ms, an AR round 11 (.091 tokens a
+    ms). Drafting rounds of 2 tokens (.071 a ms) turn the request to AR rounds once HISTORY of
+    them came in (γ = 0 in the report); after EXPLORE AR rounds it looks: HISTORY drafting rounds
+    at the width its last drafting round chose; they find AR again, and the next wait is twice
+    as long."""
+    from fastspec.methods.ar_rounds import EXPLORE, HISTORY
     m = LibraSpec(block=8)
     m.begin(RunInfo(1, 1, set(), {}, lambda r, t: 10.0 + t))        # a perfect draft pays
     assert m.look_pays and m.round_ms(4, 1) == 28.0
-    seq = PlanSeq(8)
-    seq.host, seq.accept_lengths = [3, 0, 1], [4]                   # 4 tokens for 36 ms: drafting
-    for tokens, block in ((None, 4), (2, 4), (2, 1)):
-        if tokens:
-            seq.accept_lengths.append(tokens)
-        seq.block = m.plan(seq).block
-        assert seq.block == block, (tokens, seq.state)
-    plans = [(1, "ar")]
-    for _ in range(3 * EXPLORE + 1):
+    seq = PlanSeq(4)
+    seq.host, seq.accept_lengths = [3, 0, 1], [2]
+    plans = []
+    for _ in range(HISTORY + 3 * EXPLORE + 2 * HISTORY):
         p = m.plan(seq)
         plans.append((p.block, p.variant))
-        # An AR round's host values are zeros and it commits 1 token; a look commits 2.
+        # An AR round's host values are zeros and it commits 1 token; drafting rounds commit 2.
         seq.block = p.block
         seq.host, seq.accept_lengths[-1] = ([0, 0, 0], 1) if p.variant == "ar" else ([3, 0, 1], 2)
-    looks = [i for i, p in enumerate(plans) if p != (1, "ar")]
-    assert looks == [EXPLORE, 3 * EXPLORE + 1], plans      # after 16, then 32 AR rounds in a row
-    assert plans[EXPLORE] == (4, "")                        # at the last drafting width
+    drafting = [i for i, p in enumerate(plans) if p != (1, "ar")]
+    first = HISTORY - 1 + EXPLORE                           # 16 AR rounds after the first rounds
+    second = first + HISTORY + 2 * EXPLORE                  # then 32 after the first look
+    assert drafting == list(range(HISTORY - 1)) + list(range(first, first + HISTORY)) + \
+        list(range(second, second + HISTORY)), drafting
+    assert plans[first] == (4, "")                          # at the last drafting width
     rep = m.report()
-    assert rep["looks"] == 2 and rep["gamma_share"][0] > 0.9 and rep["ar_share"] > 0.9
-    # The last look commits 4 tokens: drafting goes on, and the wait is 16 again.
-    seq.accept_lengths[-1] = 4
-    assert m.plan(seq).block == 4 and m.switch.explore == EXPLORE
+    assert rep["looks"] == 2 and rep["gamma_share"][0] > 0.8 and rep["ar_share"] > 0.8, rep
 
     dear = LibraSpec(block=8)
     dear.begin(RunInfo(8, 8, set(), {}, lambda r, t: 10.0 * r * t))   # never, even perfect

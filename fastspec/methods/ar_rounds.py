@@ -6,19 +6,24 @@ can beat what a round commits per millisecond. A method whose block set holds AR
 plans a plain AR round (variant "ar": one forward of the seed, no draft), per request and per
 round, as a server turns speculation off by batch size:
 
-    after a drafting round   AR iff the request's last HISTORY drafting rounds (since its
-                             last AR round) committed fewer tokens per ms than an AR round does:
-                             mean(k_i / T_i) <= 1 / T_AR, k_i the tokens round i committed, T_i
+    after a drafting round   AR iff the request's drafting rounds commit fewer tokens per ms
+                             than an AR round does: r <= 1 / T_AR, r the moving average (weight
+                             1/RATE_MEMORY) of k_i / T_i, k_i the tokens round i committed, T_i
                              its cost and T_AR one AR round's, from the device profile at the
-                             run's batch (verification-guided: what the verifier accepted, not
-                             what the drafter believed; BASTION's tree marginals, for one,
-                             under-state acceptance by half on this model)
-    after an AR round        AR again; after EXPLORE AR rounds in a row the request drafts once
-                             (at its last drafting width) to look at its drafts again, but only
-                             where a perfect draft could beat AR at all (`perfect_draft_pays`):
-                             a look that cannot pay would only add a step to everyone's round.
-                             Each look that finds AR again doubles the run's wait before the
-                             next (`ARSwitch`)
+                             run's batch; judged once HISTORY rounds came in since its last AR
+                             round (verification-guided: what the verifier accepted, not what
+                             the drafter believed; BASTION's tree marginals, for one, under-state
+                             acceptance by half on this model)
+    after an AR round        AR again; after EXPLORE AR rounds in a row the request drafts
+                             HISTORY rounds (at its last drafting width) to look at its drafts
+                             again, but only where a perfect draft could beat AR at all
+                             (`perfect_draft_pays`): a look that cannot pay would only add a
+                             step to everyone's round. Each look that finds AR again doubles
+                             the run's wait before the next (`ARSwitch`)
+
+The moving average and the HISTORY rounds keep a request from chasing noise: at C=1 on a 2-core
+CPU drafting beats AR by ~1.25x on average, and a switch on 3 unlucky rounds (2 tokens each) cost
+more than it saved (LibraSpec 1.21x -> 1.07x AR, results/libraspec_bastion_ar_c1_zen4_1207.json).
     first round              AR where no draft could pay, or where the run has mostly taken AR
                              rounds (`ARSwitch.first_is_ar`); else the method's start block
 
@@ -39,7 +44,8 @@ AR_BLOCK = 1                    # the block that is a plain AR round (no draft, 
 AR_VARIANT = "ar"
 EXPLORE = 16                    # after EXPLORE AR rounds in a row, a request may draft once again
 EXPLORE_MAX = 128               # ... and after at most this many, however often looks found AR
-HISTORY = 3                     # drafting rounds whose rate decides (RecGuide's signal: 3 rounds)
+HISTORY = 3                     # drafting rounds before a request's rate is judged
+RATE_MEMORY = 6                 # the rate's moving average weighs a new round 1/6
 
 
 def ar_round(source, step, pending: torch.Tensor, carry: dict, host_columns: int) -> RoundOutput:
@@ -68,8 +74,9 @@ def perfect_draft_pays(rounds: Iterable[tuple[int, float]], ar_ms: float) -> boo
 
 class ARSwitch:
     """Which requests of a run draft and which take AR rounds (host side, one per method and
-    run). Per request (seq.state): its last drafting rounds' rates, the AR rounds in a row, and
-    whether its last drafting round was a look. Per run: the AR rounds before a look, which
+    run). Per request (seq.state): its drafting rate and the rounds it has seen since its last
+    AR round, the AR rounds in a row, and whether it is looking. Per run: the AR rounds before a
+    look, which
     doubles (up to EXPLORE_MAX) each time a look finds drafting still does not pay, and is
     EXPLORE again once one finds it does: whether drafting pays is mostly the load's doing, which
     every request of the run shares, so one request's failed look spares the others theirs.
@@ -84,35 +91,36 @@ class ARSwitch:
     @staticmethod
     def record(seq, tokens: int, ms: float) -> None:
         """A drafting round of the request committed `tokens` in a round priced `ms`."""
-        rates = seq.state.setdefault("draft_rates", [])
-        rates.append(tokens / ms)
-        del rates[:-HISTORY]
+        st, rate = seq.state, tokens / ms
+        old = st.get("rate")
+        st["rate"] = rate if old is None else old + (rate - old) / RATE_MEMORY
+        st["judged"] = st.get("judged", 0) + 1
 
     @staticmethod
-    def drafting_pays(seq, ar_ms: float) -> bool:
-        """Did the request's recent drafting rounds commit more per ms than AR rounds would?
-        Judged on HISTORY rounds (one round is noise: a drafter right 60% of the time commits
-        2 tokens, the fewest, in 40% of its rounds), or on a look's own round."""
-        rates = seq.state.get("draft_rates") or []
-        if len(rates) < HISTORY and not seq.state.get("looked"):
-            return True
-        return sum(rates) / len(rates) > 1.0 / ar_ms
+    def drafting_pays(seq, ar_ms: float) -> bool | None:
+        """Do the request's drafting rounds commit more per ms than AR rounds would? None until
+        HISTORY rounds came in (one round is noise: a drafter right 60% of the time commits 2
+        tokens, the fewest, in 40% of its rounds)."""
+        if seq.state.get("judged", 0) < HISTORY:
+            return None
+        return seq.state["rate"] > 1.0 / ar_ms
 
     def next_is_ar(self, seq, ar_ms: float, look_pays: bool) -> bool:
         """The request's next round (after `record` booked its last one if it drafted).
         seq.block: its last round's block (AR_BLOCK: an AR round); ar_ms: one AR round at the
         run's batch; look_pays: a perfect draft could beat AR (perfect_draft_pays). Going AR
-        forgets the drafting rates: a look decides by its own round alone; otherwise a request
-        drafts until HISTORY rounds say it should not."""
+        forgets the drafting rate: a look is judged on its own HISTORY rounds."""
         st = seq.state
         if seq.block != AR_BLOCK:
-            ar = not self.drafting_pays(seq, ar_ms)
+            pays = self.drafting_pays(seq, ar_ms)
+            if pays is None:
+                return False
             if st.get("looked"):
-                self.explore = min(2 * self.explore, EXPLORE_MAX) if ar else EXPLORE
+                self.explore = EXPLORE if pays else min(2 * self.explore, EXPLORE_MAX)
             st["ar_run"], st["looked"] = 0, False
-            if ar:
-                st["draft_rates"] = []
-            return ar
+            if not pays:
+                st["rate"], st["judged"] = None, 0
+            return not pays
         run = st["ar_run"] = st.get("ar_run", 0) + 1
         if look_pays and run >= self.explore:
             st["looked"] = True
