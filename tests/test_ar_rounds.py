@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from fastspec.methods.ar_rounds import (EXPLORE, EXPLORE_MAX, HISTORY, RATE_MEMORY, ARSwitch,
-                                        perfect_draft_pays)
+from fastspec.methods.ar_rounds import (AR_MARGIN, EXPLORE, EXPLORE_MAX, HISTORY, RATE_MEMORY,
+                                        ARSwitch, perfect_draft_pays)
 
 
 def request(block=8):
@@ -20,19 +20,21 @@ def test_a_perfect_draft_pays_at_low_load_and_not_under_load():
 
 
 def test_the_drafting_rate_is_a_moving_average_judged_after_history_rounds():
-    """AR at 10 ms is .1 token a ms. Rounds of 2 tokens for 25 ms (.08) are judged after HISTORY
-    of them: AR. Then each round of 4 tokens (.16) moves the average 1/RATE_MEMORY of the way:
-    .0933, .1044, .1137 -> drafting pays from the second."""
+    """AR at 10 ms is .1 token a ms; drafting must stay above AR_MARGIN of it (.09). Rounds of 2
+    tokens for 25 ms (.08) are judged after HISTORY of them: AR. Then each round of 3 tokens (.12)
+    moves the average 1/RATE_MEMORY of the way: .0867, .0922, .0968 -> drafting pays from the
+    second."""
     seq, sw = request(), ARSwitch()
     for _ in range(HISTORY - 1):
         sw.record(seq, 2, 25.0)
         assert sw.drafting_pays(seq, 10.0) is None
     sw.record(seq, 2, 25.0)
     assert sw.drafting_pays(seq, 10.0) is False
+    assert AR_MARGIN == 0.9
     rate, seen = 0.08, []
     for _ in range(3):
-        sw.record(seq, 4, 25.0)
-        rate += (0.16 - rate) / RATE_MEMORY
+        sw.record(seq, 3, 25.0)
+        rate += (0.12 - rate) / RATE_MEMORY
         assert seq.state["rate"] == pytest.approx(rate)
         seen.append(sw.drafting_pays(seq, 10.0))
     assert seen == [False, True, True]

@@ -178,20 +178,20 @@ def test_a_step_writes_its_draft_block_then_its_tree():
 # --- AR rounds: where no tree pays -----------------------------------------------------------
 def test_the_planner_takes_ar_rounds_and_looks_again_at_its_last_budget():
     """T(rows, n) = 10 + n: a round of budget 8 costs 36 ms (draft 18 + tree 18), an AR round 11.
-    Tree rounds of 3 tokens (.083 a ms, below AR's .091) turn the request to AR rounds once
+    Tree rounds of 2 tokens (.056 a ms, below .9 of AR's .091) turn the request to AR rounds once
     HISTORY of them came in; after EXPLORE AR rounds it looks with HISTORY trees at the budget
     its last tree round chose."""
     from fastspec.methods.ar_rounds import EXPLORE, HISTORY
     m = BASTION(block=16)
     m.begin(SimpleNamespace(rows=1, forward_ms=lambda rows, n: 10.0 + n))    # a perfect tree pays
     assert m.look_pays and m.cost_table(1, 8)[8] == 36.0
-    seq = SimpleNamespace(host=[5, 8], block=8, accept_lengths=[3], state={})
+    seq = SimpleNamespace(host=[5, 8], block=8, accept_lengths=[2], state={})
     plans = []
     for _ in range(EXPLORE + 2 * HISTORY):
         p = m.plan(seq)
         plans.append((p.block, p.variant))
         seq.block = p.block
-        seq.host, seq.accept_lengths[-1] = ([0, 0], 1) if p.variant == "ar" else ([5, 8], 3)
+        seq.host, seq.accept_lengths[-1] = ([0, 0], 1) if p.variant == "ar" else ([5, 8], 2)
     look = HISTORY - 1 + EXPLORE
     assert plans[:HISTORY - 1] == [(8, "")] * (HISTORY - 1)
     assert plans[HISTORY - 1:look] == [(1, "ar")] * EXPLORE

@@ -382,8 +382,9 @@ class PlanSeq:
 
 def test_the_planner_takes_ar_rounds_and_looks_again_every_explore_rounds():
     """T(rows, tokens) = 10 + tokens: a width-4 round costs 28 ms, an AR round 11 (.091 tokens a
-    ms). Drafting rounds of 2 tokens (.071 a ms) turn the request to AR rounds once HISTORY of
-    them came in (γ = 0 in the report); after EXPLORE AR rounds it looks: HISTORY drafting rounds
+    ms). Drafting rounds of 2 tokens (.071 a ms, below .9 of AR's) turn the request to AR rounds
+    once HISTORY of them came in (γ = 0 in the report); after EXPLORE AR rounds it looks: HISTORY
+    drafting rounds
     at the width its last drafting round chose; they find AR again, and the next wait is twice
     as long."""
     from fastspec.methods.ar_rounds import EXPLORE, HISTORY

@@ -6,9 +6,9 @@ can beat what a round commits per millisecond. A method whose block set holds AR
 plans a plain AR round (variant "ar": one forward of the seed, no draft), per request and per
 round, as a server turns speculation off by batch size:
 
-    after a drafting round   AR iff the request's drafting rounds commit fewer tokens per ms
-                             than an AR round does: r <= 1 / T_AR, r the moving average (weight
-                             1/RATE_MEMORY) of k_i / T_i, k_i the tokens round i committed, T_i
+    after a drafting round   AR iff the request's drafting rounds commit clearly fewer tokens per
+                             ms than an AR round does: r <= AR_MARGIN / T_AR, r the moving
+                             average (weight 1/RATE_MEMORY) of k_i / T_i, k_i the tokens round i committed, T_i
                              its cost and T_AR one AR round's, from the device profile at the
                              run's batch; judged once HISTORY rounds came in since its last AR
                              round (verification-guided: what the verifier accepted, not what
@@ -21,9 +21,12 @@ round, as a server turns speculation off by batch size:
                              step to everyone's round. Each look that finds AR again doubles
                              the run's wait before the next (`ARSwitch`)
 
-The moving average and the HISTORY rounds keep a request from chasing noise: at C=1 on a 2-core
-CPU drafting beats AR by ~1.25x on average, and a switch on 3 unlucky rounds (2 tokens each) cost
-more than it saved (LibraSpec 1.21x -> 1.07x AR, results/libraspec_bastion_ar_c1_zen4_1207.json).
+The moving average, the HISTORY rounds and the margin keep a request from chasing noise: at C=1
+on a 2-core CPU drafting beats AR by ~1.25x on average, and a switch on 3 unlucky rounds (2 tokens
+each) cost more than it saved (LibraSpec 1.21x -> 1.07x AR, results/libraspec_bastion_ar_c1_zen4_1207.json);
+with the average and no margin BASTION still took AR rounds in 57% of its rounds at C=1 (1.39x ->
+1.28x AR, results/libraspec_bastion_ar_c1_zen4_1207_ema.json), its profile-priced rate within 11%
+of AR's.
     first round              AR where no draft could pay, or where the run has mostly taken AR
                              rounds (`ARSwitch.first_is_ar`); else the method's start block
 
@@ -46,6 +49,9 @@ EXPLORE = 16                    # after EXPLORE AR rounds in a row, a request ma
 EXPLORE_MAX = 128               # ... and after at most this many, however often looks found AR
 HISTORY = 3                     # drafting rounds before a request's rate is judged
 RATE_MEMORY = 6                 # the rate's moving average weighs a new round 1/6
+AR_MARGIN = 0.9                 # drafting goes on unless its rate is below 0.9x AR's (the profile's
+                                # prices: BASTION's round 48 ms and AR 15.8 ms at C=1, measured 43
+                                # and 18.5 in the same run, results/libraspec_bastion_ar_c1_zen4_1207_ema.json)
 
 
 def ar_round(source, step, pending: torch.Tensor, carry: dict, host_columns: int) -> RoundOutput:
@@ -103,7 +109,7 @@ class ARSwitch:
         tokens, the fewest, in 40% of its rounds)."""
         if seq.state.get("judged", 0) < HISTORY:
             return None
-        return seq.state["rate"] > 1.0 / ar_ms
+        return seq.state["rate"] > AR_MARGIN / ar_ms
 
     def next_is_ar(self, seq, ar_ms: float, look_pays: bool) -> bool:
         """The request's next round (after `record` booked its last one if it drafted).
