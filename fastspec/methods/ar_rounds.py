@@ -8,12 +8,12 @@ round, as a server turns speculation off by batch size:
 
     after a drafting round   AR iff the request's drafting rounds commit clearly fewer tokens per
                              ms than an AR round does: r <= AR_MARGIN / T_AR, r the moving
-                             average (weight 1/RATE_MEMORY) of k_i / T_i, k_i the tokens round i committed, T_i
-                             its cost and T_AR one AR round's, from the device profile at the
-                             run's batch; judged once HISTORY rounds came in since its last AR
-                             round (verification-guided: what the verifier accepted, not what
-                             the drafter believed; BASTION's tree marginals, for one, under-state
-                             acceptance by half on this model)
+                             average (weight 1/RATE_MEMORY) of k_i / T_i, k_i the tokens
+                             round i committed, T_i its cost and T_AR one AR round's, from the
+                             device profile at the run's batch; judged once HISTORY rounds
+                             came in since its last AR round (verification-guided: what the
+                             verifier accepted, not what the drafter believed; BASTION's tree
+                             marginals, for one, under-state acceptance by half on this model)
     after an AR round        AR again; after EXPLORE AR rounds in a row the request drafts
                              HISTORY rounds (at its last drafting width) to look at its drafts
                              again, but only where a perfect draft could beat AR at all
