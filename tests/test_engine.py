@@ -323,7 +323,8 @@ def test_libraspec_widths_join_one_step_on_weights_bound_costs_and_stay_lossless
     ps = [[rng.randrange(3, 32) for _ in range(rng.randrange(2, 9))] for _ in range(6)]
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
     ar = engine.generate(ps, params, method="ar", concurrency=4)
-    m = LibraSpec(block=4)
+    # The stop rule's widths alone: on token-bound costs the AR round (block 1) would take over.
+    m = LibraSpec(block=4, blocks=(4, 8, 16, 32))
     out = engine.generate(ps, params, method=m, concurrency=4)
     assert [c.token_ids for c in out] == [c.token_ids for c in ar]
     assert len(m.report()["width_share"]) >= 2            # the requests did choose apart
