@@ -82,9 +82,8 @@ class ARSwitch:
     """Which requests of a run draft and which take AR rounds (host side, one per method and
     run). Per request (seq.state): its drafting rate and the rounds it has seen since its last
     AR round, the AR rounds in a row, and whether it is looking. Per run: the AR rounds before a
-    look, which
-    doubles (up to EXPLORE_MAX) each time a look finds drafting still does not pay, and is
-    EXPLORE again once one finds it does: whether drafting pays is mostly the load's doing, which
+    look, which doubles (up to EXPLORE_MAX) each time a look finds drafting still does not pay,
+    and is EXPLORE again once one finds it does: whether drafting pays is mostly the load's doing, which
     every request of the run shares, so one request's failed look spares the others theirs.
 
         AR x16, look: AR again -> AR x32, look: AR again -> AR x64, look: drafts pay -> drafting

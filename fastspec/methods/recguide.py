@@ -67,7 +67,8 @@ import torch
 from fastspec.config import FastspecError
 from fastspec.convention import aligned_draft_logits, draft_block_mask, draft_adapter_flags
 from fastspec.layout import causal_block
-from fastspec.methods.ar_rounds import AR_BLOCK, EXPLORE, ar_round
+from fastspec.methods.ar_rounds import (AR_BLOCK, AR_VARIANT, EXPLORE, ar_round, drafting_blocks,
+                                        perfect_draft_pays)
 from fastspec.methods.base import CarrySpec, Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import draft_stats_and_alternatives, exact_first_draft
 from fastspec.methods.linear import BLOCK_SIZES, SELF_DRAFT, LinearSS
@@ -100,7 +101,7 @@ def slots_of(variant: str) -> int:
 
 def variant_for(block: int, slots: int) -> str:
     """The variant of a drafting round with `slots` branch slots; block 1 is the AR round."""
-    return "ar" if block == AR_BLOCK else f"draft{slots}"
+    return AR_VARIANT if block == AR_BLOCK else f"draft{slots}"
 
 
 def overlap_layout(step, verify_ids, blocks, anchors, firsts, seeded):
@@ -274,7 +275,7 @@ class RecGuide(LinearSS):
         return plans + [Plan(b, variant_for(b, k0)) for b in self.blocks if b != self.block]
 
     def forwards_for(self, variant: str) -> int:
-        return 1 if variant.startswith("hit") or variant == "ar" else 2
+        return 1 if variant.startswith("hit") or variant == AR_VARIANT else 2
 
     def max_block(self) -> int:
         return max(self.blocks)
@@ -457,8 +458,9 @@ class RecGuide(LinearSS):
             # every draft is accepted (B tokens) beats AR's one token per round. Under load on
             # a CPU none does (C=8: a drafting round costs more than B AR rounds), and a lone
             # look would only add a step to everyone's round.
-            if any(b / costs[b] > 1 / costs[AR_BLOCK] for b in blocks if b != AR_BLOCK):
-                blocks = tuple(b for b in blocks if b != AR_BLOCK)
+            drafting = drafting_blocks(blocks)
+            if perfect_draft_pays(((b, costs[b]) for b in drafting), costs[AR_BLOCK]):
+                blocks = drafting
         return choose_block({b: values[b] for b in blocks}, costs, self.objective, self.rho)
 
     def step_rows(self, n: int) -> int:
@@ -589,7 +591,7 @@ class RecGuide(LinearSS):
 
     # --- inside the step --------------------------------------------------------------------
     def round(self, step, pending, blocks, carry, variant="") -> RoundOutput:
-        if variant == "ar":
+        if variant == AR_VARIANT:
             return self.ar_round(step, pending, carry)
         n, S, dev = step.width, pending.shape[0], pending.device
         k_slots = slots_of(variant)
