@@ -271,7 +271,7 @@ class Engine:
         self._carry_specs: dict = {}
         self.last_rounds: list = []
         # Measured ms of each method's steps: {method key: {(rows, width, variant): EMA ms}}.
-        self.step_ms: dict[str, dict[tuple[int, str], float]] = {}
+        self.step_ms: dict[str, dict[tuple[int, int, str], float]] = {}
         self._round_fns: dict[tuple, Callable] = {}
         self._forward_cost = None
 
@@ -621,7 +621,7 @@ class Engine:
             torch.cuda.synchronize(self.device)
         if meth.timed and self.runner.total_compiles() == compiles:
             ms = (time.perf_counter() - t0) * 1e3
-            times = self.step_ms.setdefault(meth.key_name(), {})
+            times = self.step_ms.setdefault(meth.timing_name(), {})
             old = times.get((rows, width, plan.variant))
             times[(rows, width, plan.variant)] = ms if old is None else 0.8 * old + 0.2 * ms
             meth.timed_step(rows, width, plan.variant, ms)
@@ -669,7 +669,7 @@ class Engine:
         # The run's sampling code path is known up front: the warm-up compiles that step.
         self.sampler = SamplerState(C + 1, self.device, mode=sampling_mode(per_request))
         meth.begin(RunInfo(C, batch_bucket(C), set(self.eos_ids),
-                           self.step_ms.setdefault(meth.key_name(), {}), self.forward_cost,
+                           self.step_ms.setdefault(meth.timing_name(), {}), self.forward_cost,
                            model=self.model, keep_counts=keep_counts))
         self.prepare(C, max(len(s.prompt_ids) + s.params.max_new_tokens for s in seqs), meth)
         self.warmup_s += self.warm_prefill([len(s.prompt_ids) for s in seqs], meth)

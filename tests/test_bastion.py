@@ -184,7 +184,7 @@ def test_the_planner_takes_ar_rounds_and_looks_again_at_its_last_budget():
     from fastspec.methods.ar_rounds import EXPLORE, HISTORY
     m = BASTION(block=16)
     m.begin(SimpleNamespace(rows=1, forward_ms=lambda rows, n: 10.0 + n))    # a perfect tree pays
-    assert m.look_pays and m.cost_table(1, 8)[8] == 36.0
+    assert m.look_pays() and m.cost_table(1, 8)[8] == 36.0
     seq = SimpleNamespace(host=[5, 8], block=8, accept_lengths=[2], state={})
     plans = []
     for _ in range(EXPLORE + 2 * HISTORY):
@@ -208,10 +208,10 @@ def test_where_drafting_does_not_pay_bastion_takes_ar_rounds_and_still_equals_ar
     saved = engine._forward_cost
     try:
         engine._forward_cost = lambda rows, tokens: 10.0 * rows * tokens
-        m = BASTION(block=8)
+        m = BASTION(block=8, prices="profile")
         out = engine.generate(prompts, params, method=m, concurrency=concurrency)
         assert [c.token_ids for c in out] == [c.token_ids for c in ar]
-        assert not m.look_pays and m.report()["ar_share"] == 1.0, m.report()
+        assert not m.look_pays() and m.report()["ar_share"] == 1.0, m.report()
         for c in out:                        # AR rounds only: one forward, one token each
             assert set(c.accept_lengths) == {1} and c.forwards == 1 + len(c.accept_lengths)
     finally:
@@ -227,10 +227,27 @@ def test_a_run_mixes_ar_rounds_and_trees_and_still_equals_ar(engine):
     saved = engine._forward_cost
     try:
         engine._forward_cost = lambda rows, tokens: 10.0 + 3.0 * tokens
-        m = BASTION(block=8, budgets=(1, 8))
+        m = BASTION(block=8, budgets=(1, 8), prices="profile")
         out = engine.generate(prompts, params, method=m, concurrency=3)
     finally:
         engine._forward_cost = saved
     assert [c.token_ids for c in out] == [c.token_ids for c in ar]
     rep = m.report()
-    assert m.look_pays and rep["looks"] >= 2 and 0.5 < rep["ar_share"] < 1.0, rep
+    assert m.look_pays() and rep["looks"] >= 2 and 0.5 < rep["ar_share"] < 1.0, rep
+
+
+def test_measured_step_times_overrule_the_profile_in_the_choice_of_ar_rounds():
+    """The profile prices a budget-8 tree round at 160 ms against AR's 10 (T = 10 ms a token);
+    measured, it takes 24. Trees committing 3 tokens (.125 a ms against AR's .1) go on with
+    measured prices and turn to AR rounds with the profile's."""
+    from fastspec.methods.ar_rounds import HISTORY
+    budgets = []
+    for prices in ("measured", "profile"):
+        m = BASTION(block=8, budgets=(1, 8), prices=prices)
+        m.begin(SimpleNamespace(rows=1, forward_ms=lambda rows, n: 10.0 * n, step_ms={}))
+        for _ in range(3):
+            m.timed_step(1, 8, "", 24.0)
+            m.timed_step(1, 1, "ar", 10.0)
+        seq = SimpleNamespace(host=[5, 8], block=8, accept_lengths=[3], state={})
+        budgets.append([m.plan(seq).block for _ in range(HISTORY)][-1])
+    assert budgets == [8, 1]

@@ -514,12 +514,13 @@ def test_bf16_training_learns_and_keeps_the_drafter_fp32(tmp_path):
 # --- LibraSpec, D²SD and BASTION on the DFlash drafter -------------------------------------------
 def dflash_drafted(name, W=1024, ar=False):
     """LibraSpec / D²SD / BASTION drafting with the model's DFlash drafter (bound at run start);
-    ar: with the plain AR round in LibraSpec's widths / BASTION's budgets."""
+    ar: with the plain AR round in LibraSpec's widths / BASTION's budgets, priced by the profile."""
     from fastspec.methods import get_method
     one = "1/" if ar else ""
-    spec = {"libraspec": f"libraspec[drafter=dflash;window={W};blocks={one}4/8/16]",
+    prices = ";prices=profile" if ar else ""          # the test's cost model decides, not timings
+    spec = {"libraspec": f"libraspec[drafter=dflash;window={W};blocks={one}4/8/16{prices}]",
             "d2sd": f"d2sd[drafter=dflash;window={W};block=8;branches=2]",
-            "bastion": f"bastion[drafter=dflash;window={W};block=8;budgets={one}8/16;draft_block=8]"}[name]
+            "bastion": f"bastion[drafter=dflash;window={W};block=8;budgets={one}8/16;draft_block=8{prices}]"}[name]
     return get_method(spec)
 
 

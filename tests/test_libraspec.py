@@ -349,7 +349,7 @@ def test_sampled_libraspec_follows_ar_sampling_law(law_engine, cost):
                                  ignore_eos=True) for i in range(n)]
         out = law_engine.generate([prompt] * n, params, method=method, concurrency=128)
         return [tuple(c.token_ids) for c in out]
-    m = LibraSpec(block=4, blocks=(4, 8) if cost == "widths" else (1, 4, 8))
+    m = LibraSpec(block=4, blocks=(4, 8) if cost == "widths" else (1, 4, 8), prices="profile")
     lib = sample(m, 50_000)
     ar = sample("ar", 10_000)
     if cost == "widths":
@@ -390,7 +390,7 @@ def test_the_planner_takes_ar_rounds_and_looks_again_every_explore_rounds():
     from fastspec.methods.ar_rounds import EXPLORE, HISTORY
     m = LibraSpec(block=8)
     m.begin(RunInfo(1, 1, set(), {}, lambda r, t: 10.0 + t))        # a perfect draft pays
-    assert m.look_pays and m.round_ms(4, 1) == 28.0
+    assert m.look_pays() and m.round_ms(4, 1) == 28.0
     seq = PlanSeq(4)
     seq.host, seq.accept_lengths = [3, 0, 1], [2]
     plans = []
@@ -411,7 +411,7 @@ def test_the_planner_takes_ar_rounds_and_looks_again_every_explore_rounds():
 
     dear = LibraSpec(block=8)
     dear.begin(RunInfo(8, 8, set(), {}, lambda r, t: 10.0 * r * t))   # never, even perfect
-    assert not dear.look_pays
+    assert not dear.look_pays()
     seq = PlanSeq(8)
     assert dear.plan(seq) == Plan(1, "ar")                 # not even its first round drafts
     for _ in range(3 * EXPLORE):
@@ -421,27 +421,27 @@ def test_the_planner_takes_ar_rounds_and_looks_again_every_explore_rounds():
 
 @pytest.mark.parametrize("concurrency", [1, 3])
 def test_where_drafting_does_not_pay_libraspec_takes_ar_rounds_and_still_equals_ar(drafter, concurrency):
-    """Dear tokens (T = 10 ms a token and row): every round is an AR round, one forward each,
-    and the output is AR's. Cheap tokens and drafts that are right (a predictable model): no AR
-    round at all."""
+    """Dear tokens (T = 10 ms a token and row, priced by that profile, not by the tiny model's
+    step times): every round is an AR round, one forward each, and the output is AR's. Cheap
+    tokens and drafts that are right (a predictable model): no AR round at all."""
     engine = Engine(drafter, backend="eager")
     ps = random_token_prompts(4, seed=30 + concurrency)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     ar = engine.generate(ps, params, method="ar", concurrency=concurrency)
     engine._forward_cost = lambda rows, tokens: 10.0 * rows * tokens
-    m = LibraSpec(block=8)
+    m = LibraSpec(block=8, prices="profile")
     out = engine.generate(ps, params, method=m, concurrency=concurrency)
     assert [c.token_ids for c in out] == [c.token_ids for c in ar]
     rep = m.report()
     # Not even a perfect draft pays at these costs: every round is an AR round, the first too.
-    assert not m.look_pays and rep["ar_share"] == 1.0 and rep["looks"] == 0, rep
+    assert not m.look_pays() and rep["ar_share"] == 1.0 and rep["looks"] == 0, rep
     for c in out:                        # every AR round is one forward and one token
         assert set(c.accept_lengths) == {1} and c.forwards == 1 + len(c.accept_lengths)
     engine = Engine(copy_model(), backend="eager")
     ps = [p[:6] for p in random_token_prompts(4, seed=30 + concurrency, vocab=32)]
     ar = engine.generate(ps, params, method="ar", concurrency=concurrency)
     engine._forward_cost = lambda rows, tokens: 10.0
-    m = LibraSpec(block=8)
+    m = LibraSpec(block=8, prices="profile")
     out = engine.generate(ps, params, method=m, concurrency=concurrency)
     assert [c.token_ids for c in out] == [c.token_ids for c in ar]
     assert m.report()["ar_share"] == 0.0 and m.report()["mean_gamma"] > 2, m.report()
@@ -456,12 +456,45 @@ def test_a_run_mixes_ar_and_drafting_rounds_and_still_equals_ar(drafter):
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
     ar = engine.generate(ps, params, method="ar", concurrency=3)
     engine._forward_cost = lambda rows, tokens: 10.0 + 3.0 * tokens
-    m = LibraSpec(block=4, blocks=(1, 4, 8))
+    m = LibraSpec(block=4, blocks=(1, 4, 8), prices="profile")
     out = engine.generate(ps, params, method=m, concurrency=3)
     assert [c.token_ids for c in out] == [c.token_ids for c in ar]
     rep = m.report()
-    assert m.look_pays and rep["looks"] >= 3 and 0.5 < rep["ar_share"] < 1.0, rep
+    assert m.look_pays() and rep["looks"] >= 3 and 0.5 < rep["ar_share"] < 1.0, rep
     # The first requests drafted in their first round (>= 2 tokens: d1 is exact), later ones
     # started with an AR round (1 token).
     assert all(c.accept_lengths[0] >= 2 for c in out[:3])
     assert any(c.accept_lengths[0] == 1 for c in out[3:])
+
+
+def test_measured_step_times_overrule_the_profile_in_the_choice_of_ar_rounds():
+    """The profile says tokens are dear (T = 10 ms a token: a width-4 round 80 ms, AR 10); the
+    steps as run say a width-4 round takes 20 ms. Rounds of 3 tokens (.15 a ms against AR's .1)
+    keep drafting on measured prices and turn to AR rounds on the profile's (.0375 a ms)."""
+    from fastspec.methods.ar_rounds import HISTORY
+    blocks = []
+    for prices in ("measured", "profile"):
+        m = LibraSpec(block=4, blocks=(1, 4), prices=prices)
+        m.begin(RunInfo(1, 1, set(), {}, lambda r, t: 10.0 * t))
+        for _ in range(3):
+            m.timed_step(1, 4, "", 20.0)
+            m.timed_step(1, 1, "ar", 10.0)
+        assert m.look_pays() == (prices == "measured")
+        seq = PlanSeq(4)
+        seq.host, seq.accept_lengths = [3, 1, 1], [3]
+        blocks.append([m.plan(seq).block for _ in range(HISTORY)][-1])
+        assert m.report()["prices"] == prices
+    assert blocks == [4, 1]
+    assert m.price(1, 4) == 80.0                # prices=profile: the clock never took a time
+
+
+def test_a_timed_run_prices_the_steps_it_ran(drafter):
+    """The engine times every step of a LibraSpec run (compiles excluded); the report compares
+    them with the profile."""
+    engine = Engine(drafter, backend="eager")
+    ps = random_token_prompts(2, seed=8)
+    m = LibraSpec(block=4)
+    engine.generate(ps, SamplingParams(max_new_tokens=16, ignore_eos=True), method=m, concurrency=2)
+    steps = m.report()["profile_check"]["steps"]
+    assert steps and all(s["measured"] > 0 for s in steps.values()), steps
+    assert set(m.clock.measured) == set(engine.step_ms[m.timing_name()])

@@ -12,6 +12,7 @@ from fastspec.convention import FASTSPEC, NLD
 from fastspec.engine import Engine, Step
 from fastspec.methods.base import RunInfo
 from fastspec.methods.recguide import (H_COVERED, H_HIT, H_RISKY, H_SLOTS, H_WANTED, RecGuide)
+from fastspec.methods.step_clock import StepClock
 from fastspec.sampling import SamplerState, SamplingParams
 
 
@@ -384,10 +385,10 @@ def test_step_times_follow_the_machines_load_not_when_each_step_was_last_timed()
         m.timed_step(1, 8, "draft0", 76.0)
     for _ in range(10):
         m.timed_step(1, 8, "draft0", 152.0)                    # half speed: only B=8 ran since
-    assert m.level > 1.6                                       # most of it read as the machine
-    assert m.ms(1, 8, "draft0") == pytest.approx(152.0, rel=0.02)
+    assert m.clock.level > 1.6                                 # most of it read as the machine
+    assert m.clock.ms(1, 8, "draft0") == pytest.approx(152.0, rel=0.02)
     # B=4 priced at today's level: ~0.8-0.9x the B=8 round, not the stale 68 / 152 = 0.45x.
-    assert 0.75 < m.ms(1, 4, "draft0") / m.ms(1, 8, "draft0") < 0.95
+    assert 0.75 < m.clock.ms(1, 4, "draft0") / m.clock.ms(1, 8, "draft0") < 0.95
 
 
 # --- a model whose drafts are often right: hits happen -------------------------------------
@@ -464,10 +465,23 @@ def test_carried_state_survives_rounds_and_is_cleared_on_admit_and_retire():
     assert engine.carry["valid"][0] == 0 and not engine.carry["drafts"][0].any()
 
 
-class FixedCosts(RecGuide):
-    """Round times from a fixed cost model instead of the (noisy) measured ones."""
+class MeasuredClock(StepClock):
+    """Every step as if measured at exactly its given time."""
 
-    def ms(self, rows, block, variant):
+    def ms(self, rows, width, variant):
+        return self.estimate(rows, width, variant)
+
+
+class FixedTimes(RecGuide):
+    """Round times from a fixed cost model (`costs`) instead of the (noisy) measured ones."""
+
+    def begin(self, run):
+        super().begin(run)
+        self.clock = MeasuredClock(self.costs)
+
+
+class FixedCosts(FixedTimes):
+    def costs(self, rows, block, variant):
         return 10.0 + 0.2 * block + (0.0 if variant.startswith("hit") else 8.0)
 
 
@@ -593,14 +607,14 @@ def test_a_new_request_joins_the_block_the_run_mostly_takes():
 # --- planning a batch: one request's plan changes its batch's steps ------------------------
 
 
-class RowCosts(RecGuide):
+class RowCosts(FixedTimes):
     """Step times T(rows, B) = 10 + per_token · rows · B per forward (a draft round runs two)."""
 
     def __init__(self, per_token, **kw):
-        super().__init__(**kw)
         self.per_token = per_token
+        super().__init__(**kw)
 
-    def ms(self, rows, block, variant):
+    def costs(self, rows, block, variant):
         f = 10.0 + self.per_token * rows * block
         return f if variant.startswith("hit") else 2 * f
 
@@ -712,19 +726,19 @@ def test_one_pass_statistics_equal_the_separate_ones():
 # --- block 1: the AR round, where drafting does not pay -------------------------------------
 
 
-class DraftingDoesNotPay(RecGuide):
+class DraftingDoesNotPay(FixedTimes):
     """An AR round 10 ms, a drafting round 10 ms a forward plus 8 ms a drafted token: even a
     perfect B=4 round (4 tokens in 2 · 10 + 32 = 52 ms) commits less per ms than AR (1 in 10)."""
 
-    def ms(self, rows, block, variant):
+    def costs(self, rows, block, variant):
         return 10.0 if variant == "ar" else 2 * 10.0 + 8.0 * block
 
 
-class DraftingRarelyPays(RecGuide):
+class DraftingRarelyPays(FixedTimes):
     """AR 10 ms, a drafting round 9.5 ms a token plus 0.5: a perfect round beats AR (B=4: 4 in
     38.5 ms), a round with 95% of drafts accepted does not (3.71 in 38.5 ms)."""
 
-    def ms(self, rows, block, variant):
+    def costs(self, rows, block, variant):
         return 10.0 if variant == "ar" else 9.5 * block + 0.5
 
 

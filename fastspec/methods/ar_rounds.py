@@ -9,8 +9,9 @@ round, as a server turns speculation off by batch size:
     after a drafting round   AR iff the request's drafting rounds commit clearly fewer tokens per
                              ms than an AR round does: r <= AR_MARGIN / T_AR, r the moving
                              average (weight 1/RATE_MEMORY) of k_i / T_i, k_i the tokens
-                             round i committed, T_i its cost and T_AR one AR round's, from the
-                             device profile at the run's batch; judged once HISTORY rounds
+                             round i committed, T_i its cost and T_AR one AR round's at the
+                             run's batch, as the run measures its steps (StepClock: the device
+                             profile scaled to them); judged once HISTORY rounds
                              came in since its last AR round (verification-guided: what the
                              verifier accepted, not what the drafter believed; BASTION's tree
                              marginals, for one, under-state acceptance by half on this model)
@@ -49,9 +50,10 @@ EXPLORE = 16                    # after EXPLORE AR rounds in a row, a request ma
 EXPLORE_MAX = 128               # ... and after at most this many, however often looks found AR
 HISTORY = 3                     # drafting rounds before a request's rate is judged
 RATE_MEMORY = 6                 # the rate's moving average weighs a new round 1/6
-AR_MARGIN = 0.9                 # drafting goes on unless its rate is below 0.9x AR's (the profile's
-                                # prices: BASTION's round 48 ms and AR 15.8 ms at C=1, measured 43
-                                # and 18.5 in the same run, results/libraspec_bastion_ar_c1_zen4_1207_ema.json)
+AR_MARGIN = 0.9                 # drafting goes on unless its rate is below 0.9x AR's (set when
+                                # rounds were priced by the profile alone: BASTION's round 48 ms and
+                                # AR 15.8 at C=1, measured 43 and 18.5 in the same run,
+                                # results/libraspec_bastion_ar_c1_zen4_1207_ema.json)
 
 
 def ar_round(source, step, pending: torch.Tensor, carry: dict, host_columns: int) -> RoundOutput:
@@ -132,6 +134,28 @@ class ARSwitch:
             self.looks += 1
             return False
         return True
+
+    def next_block(self, seq, start: int, wanted: int | None, price, look_pays: bool,
+                   taken: dict[int, int]) -> int:
+        """The block of the request's next round, AR_BLOCK or a drafting one, for a method with
+        AR rounds in its set. start: the request's first block; wanted: what the method's rule
+        wants after the drafting round just run (None after an AR round or before the first);
+        price(block): ms of a round of that block at the run's batch (block 1: an AR round);
+        look_pays: a perfect draft could beat AR; taken: rounds per block so far in the run.
+
+            first round                -> start, or AR (first_is_ar)
+            after a drafting round     -> wanted (kept for a later look), or AR (next_is_ar)
+            after an AR round          -> AR, or a look at the last wanted block
+        """
+        if not seq.host:
+            ar = self.first_is_ar(look_pays, taken.get(AR_BLOCK, 0), sum(taken.values()))
+            return AR_BLOCK if ar else start
+        if seq.block != AR_BLOCK:
+            seq.state["wanted"] = wanted
+            self.record(seq, seq.accept_lengths[-1] if seq.accept_lengths else 0, price(seq.block))
+        if self.next_is_ar(seq, price(AR_BLOCK), look_pays):
+            return AR_BLOCK
+        return seq.state.get("wanted") or start
 
     @staticmethod
     def first_is_ar(look_pays: bool, ar_rounds: int, rounds: int) -> bool:

@@ -94,6 +94,7 @@ class Method:
     # there) instead of its own plan's block.
     widen_joined = False
     timed = False                   # True: the planner reads measured step times (costs a sync on GPU)
+    clock = None                    # ... through this StepClock (methods/step_clock.py), set in begin()
     # The block `fastspec bench` gives it when --block is not set (None: the suite's 8).
     bench_block: int | None = None
 
@@ -147,6 +148,8 @@ class Method:
 
     def timed_step(self, rows: int, width: int, variant: str, ms: float) -> None:
         """A step of this method just ran in `ms` (timed methods only; compiles excluded)."""
+        if self.timed and self.clock is not None:
+            self.clock.timed(rows, width, variant, ms)
 
     def begin(self, run: "RunInfo") -> None:
         """Called once before a run's first round (host side)."""
@@ -162,6 +165,11 @@ class Method:
         """Names this method's steps in GraphKeys: two method instances with different options
         never share (or evict) each other's compiled steps."""
         return self.name
+
+    def timing_name(self) -> str:
+        """Names this method's measured step times (Engine.step_ms): key_name unless some of
+        its options change what its steps compute but not what they cost. Fixed before begin()."""
+        return self.key_name()
 
     # Set by the engine when another live instance has the same key_name (options that only
     # steer the host side, e.g. RecGuide's survival tables): "#2", "#3", ...

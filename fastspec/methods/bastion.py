@@ -37,8 +37,9 @@ likely candidates (`fill`), and steps are keyed by (rows, N) with bounded paddin
 
 Not drafting at all (budget 1 in `budgets`, the default set; `bastion[budgets=8/16/32]` is the
 rule alone): a request whose last tree rounds committed fewer tokens per ms than plain AR rounds
-would (a round of budget N priced T[N] = draft + an N-node forward, an AR round T(rows, 1), at
-the run's batch) takes AR rounds (methods/ar_rounds.py). What the verifier accepted decides, not
+would (a round of budget N priced at its step's time as this run measures it, StepClock: the
+profile's T[N] = draft + an N-node forward and T(rows, 1) for an AR round, scaled to the
+measured steps; `prices=profile`: the profile's alone) takes AR rounds (methods/ar_rounds.py). What the verifier accepted decides, not
 the tree's path probabilities: on the shipped adapter those are about half the acceptance rate.
 """
 from __future__ import annotations
@@ -52,6 +53,7 @@ from fastspec.methods.ar_rounds import (AR_BLOCK, AR_VARIANT, ARSwitch, ar_round
 from fastspec.methods.base import Method, Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import (DrafterChoice, commit_path, draft_positions, draft_stats,
                                      make_drafter)
+from fastspec.methods.step_clock import StepClock
 from fastspec.sampling import filtered_logprobs
 from fastspec.tree import best_first_tree, tree_mask
 from fastspec.verify import accept_tree
@@ -71,13 +73,14 @@ class BASTION(DrafterChoice, Method):
 
     def __init__(self, block: int = 16, draft_block: int = 8, top_k: int = 8,
                  budgets: tuple[int, ...] = DEFAULT_BUDGETS, fill: bool = True, drafter: str = "self",
-                 window: int = 1024):
+                 window: int = 1024, prices: str = "measured"):
         """block: the starting node budget (one of `budgets`; 1 in them adds the plain AR round,
         taken where no tree pays: module doc). draft_block: the draft forward's
         width (max tree depth draft_block − 1). top_k: candidates per depth. fill: fill the
         budget after the stopping rule (nodes cost nothing extra in a step of that width).
         drafter: "self" (the backbone's adapter) or "dflash" (the model's DFlash drafter, with a
-        context ring of `window` committed tokens per request)."""
+        context ring of `window` committed tokens per request). prices: what the choice between
+        trees and AR rounds reads, "measured" (this run's step times, StepClock) or "profile"."""
         self.source = make_drafter(drafter, window, draft_block)
         budgets = (budgets,) if isinstance(budgets, int) else tuple(sorted(set(budgets)))
         self.tree_budgets = drafting_blocks(budgets)
@@ -89,7 +92,10 @@ class BASTION(DrafterChoice, Method):
             raise FastspecError(f"bastion: draft block must be in 2..64, got {draft_block}")
         if top_k < 1:
             raise FastspecError(f"bastion: top_k must be >= 1, got {top_k}")
+        if prices not in ("measured", "profile"):
+            raise FastspecError(f"bastion: prices must be measured or profile, got {prices!r}")
         super().__init__(block)
+        self.timed = prices == "measured"
         self.budgets, self.draft_block, self.top_k, self.fill = budgets, draft_block, top_k, bool(fill)
         self.ar = AR_BLOCK in budgets
         self.max_depth = draft_block - 1
@@ -114,12 +120,8 @@ class BASTION(DrafterChoice, Method):
         for rows in (b for b in BATCH_BUCKETS if b <= max(run.rows, 1)):
             for budget in self.tree_budgets:
                 self.cost_tables[(rows, budget)] = self._costs(rows, budget)
-        # A look at the drafts after a run of AR rounds: only where a perfect draft could pay
-        # (a tree of n nodes emits at most min(n, draft block) tokens).
         self.rows = max(run.rows, 1)
-        self.look_pays = perfect_draft_pays(
-            ((min(n, self.draft_block), self.cost_table(self.rows, n)[n]) for n in self.tree_budgets),
-            self.forward_ms(self.rows, 1))
+        self.clock = StepClock(self.estimate_ms, getattr(run, "step_ms", {}) if self.timed else {})
         if fresh:
             self.stats = {"rounds": 0, "wanted": 0, "nodes": 0, "budget": 0, "tokens": 0}
             self.switch = ARSwitch()                # who builds trees, who takes AR rounds
@@ -136,34 +138,41 @@ class BASTION(DrafterChoice, Method):
             self.cost_tables[(rows, budget)] = self._costs(rows, budget)
         return self.cost_tables[(rows, budget)]
 
+    def estimate_ms(self, rows: int, budget: int, variant: str) -> float:
+        """The profile's ms of a round's step: an AR round's forward, or a draft and a tree of
+        `budget` nodes."""
+        return self.forward_ms(rows, 1) if variant == AR_VARIANT else self.cost_table(rows, budget)[budget]
+
+    def price(self, budget: int) -> float:
+        """ms of a round of `budget` (1: an AR round) at the run's batch, as this run measures
+        its steps (the profile's where `prices=profile`)."""
+        return self.clock.time(self.rows, budget, AR_VARIANT if budget == AR_BLOCK else "")
+
+    def look_pays(self) -> bool:
+        """Could a look at the drafts after AR rounds pay: would a perfect tree beat AR? (A tree
+        of n nodes emits at most min(n, draft block) tokens.)"""
+        return perfect_draft_pays(((min(n, self.draft_block), self.price(n)) for n in self.tree_budgets),
+                                  self.price(AR_BLOCK))
+
     def plan(self, seq) -> Plan:
         h = seq.host
-        budget = seq.block or self.block
-        if not h and self.ar and self.switch.first_is_ar(self.look_pays, self.budget_rounds.get(AR_BLOCK, 0),
-                                             sum(self.budget_rounds.values())):
-            budget = AR_BLOCK
-        if h:
-            drafted = budget != AR_BLOCK
-            st, tb = self.stats, self.tree_budgets
-            if drafted:
-                wanted = h[H_WANTED]
-                st["rounds"] += 1
-                st["wanted"] += wanted
-                st["nodes"] += h[H_NODES]
-                st["budget"] += budget
-                tokens = seq.accept_lengths[-1] if seq.accept_lengths else 0
-                st["tokens"] += tokens
-                if self.ar:
-                    self.switch.record(seq, tokens, self.cost_table(self.rows, budget)[budget])
-                # The rule's next budget (kept for a later look); one bucket up when it wanted
-                # more than the budget.
-                budget = next((b for b in tb if b > budget), tb[-1]) if wanted > budget else \
-                    next(b for b in tb if b >= wanted)
-                seq.state["budget"] = budget
-            if self.ar and self.switch.next_is_ar(seq, self.forward_ms(self.rows, 1), self.look_pays):
-                budget = AR_BLOCK
-            elif not drafted:             # a look at the drafts again, at the last budget
-                budget = seq.state.get("budget", self.block)
+        drafted = bool(h) and seq.block != AR_BLOCK
+        wanted = None
+        if drafted:
+            st, tb, budget = self.stats, self.tree_budgets, seq.block
+            st["rounds"] += 1
+            st["wanted"] += h[H_WANTED]
+            st["nodes"] += h[H_NODES]
+            st["budget"] += budget
+            st["tokens"] += seq.accept_lengths[-1] if seq.accept_lengths else 0
+            # The rule's next budget; one bucket up when it wanted more than the budget.
+            wanted = next((b for b in tb if b > budget), tb[-1]) if h[H_WANTED] > budget else \
+                next(b for b in tb if b >= h[H_WANTED])
+        if self.ar:
+            budget = self.switch.next_block(seq, seq.block or self.block, wanted, self.price,
+                                            self.look_pays(), self.budget_rounds)
+        else:
+            budget = wanted or seq.block or self.block
         self.budget_rounds[budget] = self.budget_rounds.get(budget, 0) + 1
         return Plan(budget, AR_VARIANT if budget == AR_BLOCK else "")
 
@@ -196,6 +205,7 @@ class BASTION(DrafterChoice, Method):
         n = max(sum(self.budget_rounds.values()), 1)
         return {"drafter": self.source.name, "rounds": st["rounds"], "mean_wanted_nodes": st["wanted"] / r,
                 "ar_share": self.budget_rounds.get(AR_BLOCK, 0) / n, "looks": self.switch.looks,
+                "prices": "measured" if self.timed else "profile", "profile_check": self.clock.check(),
                 "mean_nodes": st["nodes"] / r, "mean_budget": st["budget"] / r,
                 "tau": st["tokens"] / r,
                 "budget_share": {b: c / n for b, c in sorted(self.budget_rounds.items())}}

@@ -54,7 +54,9 @@ rounds would takes AR rounds (methods/ar_rounds.py; γ = 0 in the report). A rou
 costs a draft and a verify forward, (1 + share) · T(W − 1) (share: the draft forward's cost over
 the target's, 1 for the backbone); an AR round T(0). With the shipped Zen 4 profile a width-4
 round must commit more than 2.07 tokens at rows 1 (32.7 ms against 15.8), 3.60 at rows 4 and
-4.69 at rows 8 (139.3 against 29.7 ms; more than it can) to beat AR.
+4.69 at rows 8 (139.3 against 29.7 ms; more than it can) to beat AR. Those are the profile's
+prices; the choice reads them scaled to this run's measured steps (StepClock, `prices=measured`,
+the default): the profile is 10-20% off a measured step on a 2-core CPU, both ways.
 
 Sampling stays lossless: a round's width is fixed by earlier rounds, and the confidences are
 top-1 probabilities of the drafter's distributions, not of its sampled tokens.
@@ -73,6 +75,7 @@ from fastspec.methods.ar_rounds import (AR_BLOCK, AR_VARIANT, ARSwitch, ar_round
 from fastspec.methods.base import Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import DrafterChoice, chain_round, make_drafter
 from fastspec.methods.linear import BLOCK_SIZES, LinearSS
+from fastspec.methods.step_clock import StepClock
 
 # RoundOutput.host columns: the chosen length, "still extending at the last known draft", the
 # rows whose forward cost chose it.
@@ -120,7 +123,8 @@ class LibraSpec(DrafterChoice, LinearSS):
     forwards = 2
 
     def __init__(self, block: int = 8, blocks: tuple[int, ...] | int = DEFAULT_BLOCKS,
-                 cost_rows: str = "batch", drafter: str = "self", window: int = 1024):
+                 cost_rows: str = "batch", drafter: str = "self", window: int = 1024,
+                 prices: str = "measured"):
         """block: the width of a request's first round. blocks: the verify widths the chosen
         lengths are rounded up to (each a step of its own, warmed before timing); 1 adds the
         plain AR round, taken where no width pays (module doc).
@@ -128,12 +132,17 @@ class LibraSpec(DrafterChoice, LinearSS):
         split into widths still pay for the whole round), or "step", the rows of the step that
         ran the round (a group of few rows sees cheap tokens and keeps its long widths).
         drafter: "self" (the backbone's adapter, LinearSS's draft) or "dflash" (the model's DFlash
-        drafter, with a context ring of `window` committed tokens per request)."""
+        drafter, with a context ring of `window` committed tokens per request).
+        prices: what the choice between drafting and AR rounds reads, "measured" (this run's
+        step times, StepClock: the profile scaled to them) or "profile" (the device profile)."""
         self.source = make_drafter(drafter, window, blocks if isinstance(blocks, int) else max(blocks, default=0))
         super().__init__(block)
         if cost_rows not in ("batch", "step"):
             raise FastspecError(f"libraspec cost_rows must be batch or step, got {cost_rows!r}")
         self.cost_rows = cost_rows
+        if prices not in ("measured", "profile"):
+            raise FastspecError(f"libraspec prices must be measured or profile, got {prices!r}")
+        self.timed = prices == "measured"
         blocks = (blocks,) if isinstance(blocks, int) else blocks
         self.blocks = tuple(sorted(set(blocks)))
         bad = [b for b in self.blocks if b not in DEFAULT_BLOCKS]
@@ -152,7 +161,11 @@ class LibraSpec(DrafterChoice, LinearSS):
     def key_name(self) -> str:
         # "batch" bakes T at the run's rows into every step: a run at another C gets its own.
         rows = self.run.rows if self.cost_rows == "batch" else "step"
-        return (f"libraspec(blocks={'/'.join(map(str, self.blocks))},start={self.block},T@{rows},"
+        return self.timing_name().replace(",drafter=", f",T@{rows},drafter=")
+
+    def timing_name(self) -> str:
+        # A step's time is its shape's (rows, width), whichever T it baked in.
+        return (f"libraspec(blocks={'/'.join(map(str, self.blocks))},start={self.block},"
                 f"drafter={self.source.key_name()})")
 
     def begin(self, run: RunInfo | None) -> None:
@@ -167,9 +180,7 @@ class LibraSpec(DrafterChoice, LinearSS):
         if costs != self.costs:
             self.costs = costs
         self.draft_share = self.source.draft_share(getattr(run, "model", None))
-        t = self.costs_for(run.rows)
-        # A look at the drafts after a run of AR rounds: only where a perfect draft could pay.
-        self.look_pays = perfect_draft_pays(((w, self.round_ms(w, run.rows)) for w in self.draft_blocks), t[0])
+        self.clock = StepClock(self.estimate_ms, run.step_ms if self.timed else {})
         if fresh:
             self.gammas: Counter = Counter()        # chosen length -> rounds
             self.widths: Counter = Counter()        # verify width -> rounds
@@ -194,6 +205,21 @@ class LibraSpec(DrafterChoice, LinearSS):
         """ms of a drafting round of `width` at `rows`: a draft and a verify forward."""
         return (1.0 + self.draft_share) * self.costs_for(rows)[width - 1]
 
+    def estimate_ms(self, rows: int, width: int, variant: str) -> float:
+        """The profile's ms of a round's step: an AR round's forward, or round_ms."""
+        return self.costs_for(rows)[0] if variant == AR_VARIANT else self.round_ms(width, rows)
+
+    def price(self, rows: int, width: int) -> float:
+        """ms of a round of `width` (1: an AR round) at `rows`, as this run measures its steps
+        (the profile's where `prices=profile`)."""
+        return self.clock.time(rows, width, AR_VARIANT if width == AR_BLOCK else "")
+
+    def look_pays(self, rows: int | None = None) -> bool:
+        """Could a look at the drafts after AR rounds pay: would a perfect draft beat AR?"""
+        rows = rows or self.run.rows
+        return perfect_draft_pays(((w, self.price(rows, w)) for w in self.draft_blocks),
+                                  self.price(rows, AR_BLOCK))
+
     def plans(self) -> list[Plan]:
         return [Plan(b, AR_VARIANT if b == AR_BLOCK else "") for b in self.blocks]
 
@@ -211,27 +237,21 @@ class LibraSpec(DrafterChoice, LinearSS):
 
     def plan(self, seq) -> Plan:
         h = seq.host
-        if not h:                                   # first round: no confidences yet
-            width = seq.block or self.block
-            if self.ar and self.switch.first_is_ar(self.look_pays, self.widths[AR_BLOCK], sum(self.widths.values())):
-                width = AR_BLOCK
+        rows = (h[H_ROWS] if h else 0) or self.run.rows
+        drafted = bool(h) and seq.block != AR_BLOCK
+        wanted = self.width_for(h[H_GAMMA], bool(h[H_CAPPED])) if drafted else None   # the rule's
+        if self.ar:
+            width = self.switch.next_block(seq, seq.block or self.block, wanted,
+                                           lambda w: self.price(rows, w), self.look_pays(rows), self.widths)
         else:
-            drafted = seq.block != AR_BLOCK
-            gamma, capped, rows = h[H_GAMMA], h[H_CAPPED], h[H_ROWS] or self.run.rows
-            if drafted:                             # the rule's width (kept for a later look)
-                width = seq.state["width"] = self.width_for(gamma, bool(capped))
-                if self.ar:
-                    self.switch.record(seq, seq.accept_lengths[-1], self.round_ms(seq.block, rows))
-            if self.ar and self.switch.next_is_ar(seq, self.costs_for(rows)[0], self.look_pays):
-                gamma, capped, width = 0, 0, AR_BLOCK       # γ = 0: nothing drafted
-            elif not drafted:                       # a look at the drafts again
-                gamma, width = None, seq.state.get("width", self.block)
-            if gamma is not None:
-                self.gammas[gamma] += 1
-                self.capped += capped
-                acc = self.by_rows.setdefault(rows, [0, 0])
-                acc[0] += gamma
-                acc[1] += 1
+            width = wanted or seq.block or self.block
+        if drafted or (h and width == AR_BLOCK):    # the rule's γ, or γ = 0 before an AR round
+            gamma, capped = (0, 0) if width == AR_BLOCK else (h[H_GAMMA], h[H_CAPPED])
+            self.gammas[gamma] += 1
+            self.capped += capped
+            acc = self.by_rows.setdefault(rows, [0, 0])
+            acc[0] += gamma
+            acc[1] += 1
         self.widths[width] += 1
         return Plan(width, AR_VARIANT if width == AR_BLOCK else "")
 
@@ -251,6 +271,7 @@ class LibraSpec(DrafterChoice, LinearSS):
                 "mean_width": sum(w * c for w, c in self.widths.items()) / n_w,
                 "capped_share": self.capped / n_g,
                 "ar_share": self.widths.get(AR_BLOCK, 0) / n_w, "looks": self.switch.looks,
+                "prices": "measured" if self.timed else "profile", "profile_check": self.clock.check(),
                 "mean_gamma_by_rows": {r: s / max(k, 1) for r, (s, k) in sorted(self.by_rows.items())},
                 "cost_ms": {g: round(t, 3) for g, t in
                             enumerate(self.costs_for(self.run.rows)[:9])}}

@@ -72,6 +72,7 @@ from fastspec.methods.ar_rounds import (AR_BLOCK, AR_VARIANT, EXPLORE, ar_round,
 from fastspec.methods.base import CarrySpec, Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import draft_stats_and_alternatives, exact_first_draft
 from fastspec.methods.linear import BLOCK_SIZES, SELF_DRAFT, LinearSS
+from fastspec.methods.step_clock import StepClock
 from fastspec.sampling import filtered_logprobs, sample_from_logprobs
 from fastspec.survival import SurvivalTables, choose_block, history_signal, stratum
 from fastspec.verify import accept_chain
@@ -89,9 +90,6 @@ MAX_SLOTS = 6                   # branch slots the likelihood policy may lay out
 # scarce slots a guessed candidate should usually come first.)
 SEEDLESS_VALUE = 0.8
 MAX_ALTS = 3                    # guessed alternatives per draft position (`alts=`)
-# Step-time model (RecGuide.timed_step): the machine's level follows its load within a few
-# steps; a step's shape against the profile is a property of the step, learned as slowly.
-LEVEL_RATE, SHAPE_RATE = 0.3, 0.05
 
 
 def slots_of(variant: str) -> int:
@@ -234,11 +232,7 @@ class RecGuide(LinearSS):
             self.forward_ms = run.forward_ms
         if fresh_counts(run):
             self._reset_counts()
-        # Step times (see timed_step): earlier runs' measurements seed the shapes, as of one moment.
-        self.shape = {key: ms / self.estimate_ms(*key) for key, ms in self.step_ms.items()}
-        self.level = sorted(self.shape.values())[len(self.shape) // 2] if self.shape else None
-        self.shape = {key: f / self.level for key, f in self.shape.items()}
-        self.shape_n = {key: 1 for key in self.shape}
+        self.clock = StepClock(self.estimate_ms, self.step_ms)      # measured step times
 
     def _reset_counts(self) -> None:
         """The report's counts (Tables 3 and 4, the gate's decisions), zero."""
@@ -300,39 +294,6 @@ class RecGuide(LinearSS):
         """Slot j's observed hit rate (Beta prior worth 4 rounds at `prior_hits`)."""
         return (self.slot_covered[j] + 4 * self.prior_hits) / (self.slot_trials[j] + 4)
 
-    def timed_step(self, rows: int, width: int, variant: str, ms: float) -> None:
-        """One measured step. Its time is read as profile × shape × level: the shape (this
-        step's cost against the profile's) is a property of the step, the level (how fast the
-        machine runs now) is shared by all steps and moves with the machine's load. Comparing
-        steps then compares them at today's level, not at the moments each was last measured:
-
-            B=4 round measured at 70 ms (profile 67, level 1.0 -> shape 1.04); the machine then
-            slows to half speed while B=8 rounds run (profile 71, 142 ms -> level ~2): B=4 now
-            reads ~67 · 1.04 · 2 = 139 ms, not its stale 70 ms, and B=8 is not priced 2x it.
-        (Were only one step ever timed, a slowdown could not be told from its shape; the level
-        moves fast and the shape slowly, so most of it goes to the level.)"""
-        key = (rows, width, variant)
-        ratio = ms / self.estimate_ms(*key)
-        known = self.shape.get(key)
-        f = known or self.mean_shape(rows, width)
-        self.level = ratio / f if self.level is None else \
-            (1 - LEVEL_RATE) * self.level + LEVEL_RATE * ratio / f
-        # A running mean over a step's first measurements, then a slow average.
-        n = self.shape_n[key] = self.shape_n.get(key, 0) + 1
-        rate = max(1 / n, SHAPE_RATE)
-        self.shape[key] = (1 - rate) * (known or 0.0) + rate * ratio / self.level
-
-    def mean_shape(self, rows: int, block: int) -> float:
-        """The mean shape of the measured steps of this (rows, block), else of all; 1 if none."""
-        same = [f for (r, w, _), f in self.shape.items() if (r, w) == (rows, block)] or \
-            list(self.shape.values())
-        return sum(same) / len(same) if same else 1.0
-
-    def ms(self, rows: int, block: int, variant: str) -> float | None:
-        """A measured step's time at the machine's current level (None: never measured)."""
-        f = self.shape.get((rows, block, variant))
-        return None if f is None else self.estimate_ms(rows, block, variant) * f * self.level
-
     def step_cost(self, rows: int, plan: Plan, forward_ms) -> float:
         """A round's time from forward_ms alone: the overlap forward of the verify row plus k
         branch blocks, and the draft forward unless the drafts were carried (a hit)."""
@@ -344,30 +305,12 @@ class RecGuide(LinearSS):
         return self.step_cost(rows, Plan(block, variant), self.forward_ms)
 
     def profile_check(self) -> dict:
-        """Profile estimate vs measured time of every step this run timed, and the mean absolute
-        relative error (the profile is what a cold start and a new machine plan with)."""
-        rows = {}
-        level = self.level or 1.0
-        for (r, w, v), ms in sorted(self.step_ms.items()):
-            est = self.estimate_ms(r, w, v)
-            rows[f"{r}x{w}:{v}"] = {"measured": round(ms, 3), "profile": round(est, 3),
-                                    "error": round(est / ms - 1, 4),
-                                    "at_level": round(est * level / ms - 1, 4)}
-        mean = lambda col: round(sum(abs(x[col]) for x in rows.values()) / len(rows), 4) if rows else None  # noqa: E731
-        # at_level: the profile times the machine's level at the end of the run (what the
-        # planner prices a step it has not measured at); error: the profile as it is.
-        return {"steps": rows, "mean_abs_error": mean("error"), "level": round(level, 4),
-                "mean_abs_error_at_level": mean("at_level")}
+        """Profile estimate vs measured time of every step this run timed (StepClock.check)."""
+        return self.clock.check()
 
     def step_time_ms(self, rows: int, block: int, variant: str) -> float:
-        """A round's time: as measured (`ms`) once the step has run, else the profile's estimate
-        times the mean shape of the steps of this (rows, block) that did run, or of all steps run
-        when none of these has (a profile taken at another thread count is off by about one
-        common factor), at the machine's current level."""
-        ms = self.ms(rows, block, variant)
-        if ms is not None:
-            return ms
-        return self.estimate_ms(rows, block, variant) * self.mean_shape(rows, block) * (self.level or 1.0)
+        """A round's time, as measured or the profile's scaled (StepClock.time)."""
+        return self.clock.time(rows, block, variant)
 
     def gate(self, rows: int, block: int, hit: bool, together: int = 1) -> int:
         """Branch slots for the next round: add slot j while its hit rate × the draft forward a
@@ -447,7 +390,7 @@ class RecGuide(LinearSS):
             return max(self.block_choices, key=self.block_choices.get)
         costs = {}
         for b in self.blocks:
-            t = self.ms(self.rows, b, variant_for(b, self.slot_counts()[0]))
+            t = self.clock.ms(self.rows, b, variant_for(b, self.slot_counts()[0]))
             if t is None:                                  # not measured yet: keep the start
                 return seq.block or self.block
             costs[b] = t
