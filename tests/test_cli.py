@@ -379,7 +379,9 @@ def test_interleaved_bench_changes_the_clock_not_the_tokens(tmp_path, adapter_di
     numbers its requests across parts. (4 prompts: at C=2 every group is full; a short last group
     would run as a smaller C, with that C's cost model.)"""
     prompts = write_prompts(tmp_path / "p.jsonl", [f"question {i}" for i in range(4)])
-    args = ("--prompts", prompts, "--method", "ar,linear,libraspec,tidar", "--block", "4",
+    # LibraSpec priced by the profile: with measured step times its AR-round choice follows the
+    # clock, which interleaving changes.
+    args = ("--prompts", prompts, "--method", "ar,linear,libraspec[prices=profile],tidar", "--block", "4",
             "--concurrency", "1,2")
     plain_dir, inter_dir = tmp_path / "plain", tmp_path / "inter"
     plain_dir.mkdir(), inter_dir.mkdir()
@@ -404,7 +406,8 @@ def test_interleaved_bench_changes_the_clock_not_the_tokens(tmp_path, adapter_di
     assert counts(inter) == counts(plain)
     reports = lambda data, m, keys: {r["concurrency"]: {k: r["method_report"][k] for k in keys}
                                      for r in data["runs"] if r["method"] == m}
-    assert reports(inter, "libraspec", ("rounds", "gamma_share")) == reports(plain, "libraspec", ("rounds", "gamma_share"))
+    libra = "libraspec[prices=profile]"
+    assert reports(inter, libra, ("rounds", "gamma_share")) == reports(plain, libra, ("rounds", "gamma_share"))
     assert reports(inter, "tidar", ("rounds", "seed_trials", "seed_hits")) == \
         reports(plain, "tidar", ("rounds", "seed_trials", "seed_hits"))
     cal = lambda data: {r["concurrency"]: (r["calibration"]["all"]["rounds"], r["calibration"]["all"]["positions"])

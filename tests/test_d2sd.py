@@ -1,12 +1,14 @@
 """D²SD: a first draft picks the likely rejection points, a second draft re-anchors there, and
 the chain plus branches are verified as one prefix tree — lossless like every method."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from conftest import random_token_prompts, tiny_drafter
 from fastspec.convention import FASTSPEC, NLD
 from fastspec.engine import Engine
-from fastspec.methods.d2sd import D2SD, assemble_tree
+from fastspec.methods.d2sd import D2SD, assemble_tree, covered_boundaries
 from fastspec.methods.drafter import exact_first_draft
 from fastspec.tree import tree_mask
 from fastspec.sampling import SamplingParams
@@ -34,6 +36,8 @@ def test_bad_options_are_refused():
         D2SD(block=8, branches=0)
     with pytest.raises(FastspecError):
         D2SD(block=6)
+    with pytest.raises(FastspecError):
+        D2SD(block=8, gate=2)
 
 
 @pytest.mark.parametrize("block, branches, concurrency", [(8, 2, 1), (4, 1, 3), (8, 3, 8)])
@@ -42,7 +46,7 @@ def test_greedy_d2sd_equals_ar_token_for_token(block, branches, concurrency):
     prompts = random_token_prompts(6, seed=block + branches)
     params = SamplingParams(max_new_tokens=33)
     ar = engine.generate(prompts, params, concurrency=concurrency)
-    d2 = engine.generate(prompts, params, method=D2SD(block, branches), concurrency=concurrency)
+    d2 = engine.generate(prompts, params, method=D2SD(block, branches, gate=0), concurrency=concurrency)
     assert [c.token_ids for c in d2] == [c.token_ids for c in ar]
     # Three forwards a round, counted as run.
     assert all(c.forwards == 1 + 3 * c.rounds for c in d2)
@@ -68,6 +72,77 @@ def test_d2sd_compiled_step_equals_ar():
     prompts = random_token_prompts(3, seed=5)
     params = SamplingParams(max_new_tokens=20)
     ar = engine.generate(prompts, params, concurrency=3)
-    d2 = engine.generate(prompts, params, method=D2SD(4, 1), concurrency=3)
+    d2 = engine.generate(prompts, params, method=D2SD(4, 1, gate=0), concurrency=3)
     assert [c.token_ids for c in d2] == [c.token_ids for c in ar]
     assert engine.last_stats.recompiles == 0
+
+
+def test_a_boundary_covers_the_outcome_when_the_verifier_diverges_there_with_its_alternative():
+    # The docstring's example: d1..d4 = 11..14, a2 = 22, a4 = 24, boundaries (2, 4).
+    drafts = torch.tensor([[11, 12, 13, 14, 0]] * 4)
+    alt = torch.tensor([[21, 22, 23, 24, 25]] * 4)
+    bounds = torch.tensor([[2, 4]] * 4)
+    emitted = torch.tensor([[11, 22, 35, 0, 0],      # diverged at depth 2 with a2
+                            [11, 12, 13, 24, 0],     # at depth 4 with a4
+                            [11, 23, 0, 0, 0],       # at depth 2, not with a2
+                            [11, 12, 13, 14, 24]])   # all accepted: no boundary
+    n_emitted = torch.tensor([3, 4, 2, 5])
+    got = covered_boundaries(emitted, n_emitted, drafts, alt, bounds)
+    assert got.int().tolist() == [[1, 0], [0, 1], [0, 0], [0, 0]]
+
+
+def gate_after(rounds, times, branches=2):
+    """A D²SD planner after `rounds` (tokens committed, covered flags, boundaries, branches laid
+    out), pricing steps at `times` {k: ms} as measured."""
+    from types import SimpleNamespace
+    from fastspec.methods.base import RunInfo
+    m = D2SD(block=8, branches=branches)
+    m.begin(RunInfo(1, 1, set(), {}, lambda rows, tokens: 10.0 + tokens))
+    for k, ms in times.items():
+        for _ in range(3):
+            m.timed_step(1, 8, f"k{k}", ms)
+    seq = SimpleNamespace(host=[], accept_lengths=[], state={})
+    for tokens, covered, bounds, laid in rounds:
+        seq.state["branches"] = laid
+        seq.host, seq.accept_lengths = list(covered) + list(bounds), [tokens]
+        m.observe(seq)
+    return m
+
+
+def test_the_branch_gate_lays_out_branches_only_where_their_tokens_pay_for_their_step():
+    """Half the rounds commit 3 tokens along the chain; in the other half branch 0 covers the
+    outcome (boundary 2) and adds 3 tokens to the chain's 2. Where a branch's round costs about what a chain round does
+    (a GPU), lay it out; where it costs twice as much (a 2-core CPU), run the chain alone."""
+    rounds = [(3, (0, 0), (2, 4), 1), (5, (1, 0), (2, 4), 1)] * 20
+    cheap = gate_after(rounds, {0: 20.0, 1: 22.0, 2: 24.0})
+    assert cheap.hit_rate(0) == pytest.approx((20 + 1.2) / 44)
+    assert cheap.mean_extra(0) == pytest.approx(3.0, abs=0.2)    # (prior: 2 rounds of 1.48)
+    assert cheap.choose_branches() >= 1
+    dear = gate_after(rounds, {0: 20.0, 1: 40.0, 2: 60.0})
+    assert dear.choose_branches() == 0
+    assert gate_after(rounds, {0: 20.0, 1: 40.0, 2: 60.0}).plan(
+        SimpleNamespace(host=[], accept_lengths=[], state={})).variant == "k0"
+
+
+def test_chain_rounds_still_count_the_branches_they_would_have_hit():
+    """A chain round (k0) that diverged at boundary 2 with a2 books the hit (the branch was
+    not laid out: no tokens added) and counts the chain's own tokens."""
+    m = gate_after([(2, (1, 0), (2, 4), 0)] * 10, {})
+    assert m.covered == [10, 0] and m.hits_laid == [0, 0] and m.mean_chain() == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_gated_d2sd_equals_ar_and_counts_the_forwards_it_ran(concurrency):
+    """With the gate, rounds switch between the chain alone (two forwards) and trees (three);
+    outputs equal AR and every forward is counted."""
+    engine = Engine(tiny_drafter(), backend="eager")
+    prompts = random_token_prompts(4, seed=20 + concurrency)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    ar = engine.generate(prompts, params, concurrency=concurrency)
+    m = D2SD(8, 2)
+    d2 = engine.generate(prompts, params, method=m, concurrency=concurrency)
+    assert [c.token_ids for c in d2] == [c.token_ids for c in ar]
+    rep = m.report()
+    assert rep["rounds"] > 0 and abs(sum(rep["branch_share"].values()) - 1) < 1e-9, rep
+    for c in d2:
+        assert 1 + 2 * c.rounds <= c.forwards <= 1 + 3 * c.rounds

@@ -356,7 +356,7 @@ def test_rows_of_a_joined_step_use_its_whole_width_when_the_method_says_so(widen
     ps = [[rng.randrange(3, 32) for _ in range(rng.randrange(2, 9))] for _ in range(6)]
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
     ar = Engine(t, backend="eager").generate(ps, params, method="ar", concurrency=4)
-    m = LibraSpec(block=4)
+    m = LibraSpec(block=4, blocks=(4, 8, 16, 32))     # widths alone (AR rounds follow the clock)
     m.widen_joined = widen
     out = engine.generate(ps, params, method=m, concurrency=4)
     assert [c.token_ids for c in out] == [c.token_ids for c in ar]

@@ -467,6 +467,23 @@ def test_a_run_mixes_ar_and_drafting_rounds_and_still_equals_ar(drafter):
     assert any(c.accept_lengths[0] == 1 for c in out[3:])
 
 
+def test_a_request_that_started_with_ar_rounds_looks_at_the_start_width():
+    """A request admitted into a run of AR rounds starts with them (first_is_ar); its first look
+    drafts at the method's start width, as no drafting round has chosen one for it yet."""
+    from fastspec.methods.ar_rounds import EXPLORE
+    m = LibraSpec(block=8)
+    m.begin(RunInfo(1, 1, set(), {}, lambda r, t: 10.0 + t))        # a perfect draft pays
+    m.widths[1] = 2 * EXPLORE                                      # the run: AR rounds so far
+    seq = PlanSeq(None)
+    plans = []
+    for _ in range(EXPLORE + 1):
+        p = m.plan(seq)
+        plans.append(p.block)
+        seq.block, seq.host, seq.accept_lengths = p.block, [0, 0, 0], [1]
+    assert plans == [1] * EXPLORE + [8], plans
+    assert m.report()["looks"] == 1
+
+
 def test_measured_step_times_overrule_the_profile_in_the_choice_of_ar_rounds():
     """The profile says tokens are dear (T = 10 ms a token: a width-4 round 80 ms, AR 10); the
     steps as run say a width-4 round takes 20 ms. Rounds of 3 tokens (.15 a ms against AR's .1)

@@ -40,3 +40,13 @@ def test_earlier_runs_measurements_seed_the_shapes_and_the_check_reports_the_err
     assert check["steps"]["1x8:"] == {"measured": 56.0, "profile": 28.0, "error": -0.5, "at_level": 0.0}
     assert check["mean_abs_error"] == pytest.approx(0.5)
     assert check["mean_abs_error_at_level"] == pytest.approx(0.0)
+
+
+def test_a_step_first_read_slow_is_priced_at_its_fast_readings():
+    """Noise on a shared CPU only slows a step: of a step's first readings the least is its
+    shape, so one slow reading does not price it high for the rest of the run."""
+    clock = StepClock(profile)
+    clock.timed(1, 8, "", 28.0)                                # profile 28: level 1
+    clock.timed(1, 1, "ar", 25.0)                              # profile 11, read slow
+    clock.timed(1, 1, "ar", 12.0)
+    assert clock.time(1, 1, "ar") == pytest.approx(12.0, rel=0.05)

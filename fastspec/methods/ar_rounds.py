@@ -138,7 +138,8 @@ class ARSwitch:
     def next_block(self, seq, start: int, wanted: int | None, price, look_pays: bool,
                    taken: dict[int, int]) -> int:
         """The block of the request's next round, AR_BLOCK or a drafting one, for a method with
-        AR rounds in its set. start: the request's first block; wanted: what the method's rule
+        AR rounds in its set. start: the method's start block (a first round's, and a look's by
+        a request that has not drafted yet); wanted: what the method's rule
         wants after the drafting round just run (None after an AR round or before the first);
         price(block): ms of a round of that block at the run's batch (block 1: an AR round);
         look_pays: a perfect draft could beat AR; taken: rounds per block so far in the run.

@@ -169,7 +169,7 @@ class BASTION(DrafterChoice, Method):
             wanted = next((b for b in tb if b > budget), tb[-1]) if h[H_WANTED] > budget else \
                 next(b for b in tb if b >= h[H_WANTED])
         if self.ar:
-            budget = self.switch.next_block(seq, seq.block or self.block, wanted, self.price,
+            budget = self.switch.next_block(seq, self.block, wanted, self.price,
                                             self.look_pays(), self.budget_rounds)
         else:
             budget = wanted or seq.block or self.block

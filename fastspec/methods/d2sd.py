@@ -1,6 +1,6 @@
 """D²SD: dual diffusion drafts on a prefix tree, verified in one forward.
 
-A round runs three forwards:
+A round with branches runs three forwards:
   1. draft: the usual draft block (LinearSS's), drafts d1..d(b-1) with their probabilities c_p;
   2. re-anchor: for the K most likely first-rejection points p (by Π_{i<p} c_i · (1 − c_p)) a
      second, batched draft fills a block that keeps `s d1 .. d(p-1)` and replaces d_p by its best
@@ -25,19 +25,38 @@ the seed and the accepted path enter the ring.
 
 Alternatives differ from the draft they replace, so siblings carry distinct tokens, and the tree
 verifier's walk (sample or argmax at each node, descend into the child that matches) is exact.
+
+The branch gate (`gate=1`, the default; `d2sd[gate=0]` always lays out all K). The branches cost
+a re-anchor forward and k(b-1) more verified nodes; what they buy is read from the verifier.
+Every round, laid out or not, books for each boundary whether its branch covered the outcome
+(the first rejection at p, the verifier's token a_p: `covered_boundaries`), and a laid-out branch
+that did adds its continuation's tokens. Between rounds the run lays out the k = 0..K with the
+most expected tokens per ms of its step (the step times as measured, StepClock):
+
+    E_k / T(k),   E_k = (mean chain tokens) + Σ_{j<k} hit_j · extra_j
+
+k = 0 is the chain alone: the draft and a chain verify, two forwards (LinearSS's round, verified
+as a one-path tree). On a 2-core CPU, where a round with two branches costs about twice the
+chain's, the branches rarely pay; on a GPU at low load, where tokens are almost free, they do.
 """
 from __future__ import annotations
 
 import torch
 
 from fastspec.config import FastspecError
-from fastspec.methods.base import Plan, RoundOutput
+from fastspec.methods.base import Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import (DrafterChoice, commit_path, draft_positions,
                                      draft_stats_and_alternatives,
                                      make_drafter)
 from fastspec.methods.linear import BLOCK_SIZES, LinearSS
+from fastspec.methods.step_clock import StepClock
 from fastspec.tree import tree_mask
 from fastspec.verify import accept_tree
+
+
+def variant_for(k: int) -> str:
+    """The step variant of a round with k branches ("k0": the chain alone, two forwards)."""
+    return f"k{k}"
 
 
 class D2SD(DrafterChoice, LinearSS):
@@ -45,37 +64,150 @@ class D2SD(DrafterChoice, LinearSS):
     layout = "d2sd"
     forwards = 3
 
-    def __init__(self, block: int = 8, branches: int = 2, drafter: str = "self", window: int = 1024):
-        """drafter: "self" (the backbone's adapter) or "dflash" (the model's DFlash drafter, with
-        a context ring of `window` committed tokens per request: both drafts are its forwards,
-        the re-anchored blocks hold real tokens before their masks)."""
+    def __init__(self, block: int = 8, branches: int = 2, drafter: str = "self", window: int = 1024,
+                 gate: int = 1, prior_hits: float = 0.3):
+        """branches: the most re-anchored branches a round lays out (K). gate: 1, the branch
+        gate picks k = 0..K each round from what branches have added per ms (module doc); 0,
+        always K (the paper's round). prior_hits: the hit rate assumed for a branch before
+        rounds are seen. drafter: "self" (the backbone's adapter) or "dflash" (the model's DFlash
+        drafter, with a context ring of `window` committed tokens per request: both drafts are
+        its forwards, the re-anchored blocks hold real tokens before their masks)."""
         if block not in BLOCK_SIZES:
             raise FastspecError(f"--block must be one of {BLOCK_SIZES}, got {block}")
         if not 1 <= branches <= block - 2:
             raise FastspecError(f"d2sd: branches must be in 1..{block - 2}, got {branches}")
+        if gate not in (0, 1):
+            raise FastspecError(f"d2sd: gate must be 0 or 1, got {gate}")
+        if not 0.0 <= prior_hits <= 1.0:
+            raise FastspecError(f"d2sd: prior_hits must be in [0, 1], got {prior_hits}")
         self.source = make_drafter(drafter, window, block)
         super().__init__(block)
         self.branches = branches
+        self.gate, self.prior_hits = bool(gate), float(prior_hits)
+        self.timed = self.gate              # the gate reads measured step times
         self.eos_ids: tuple[int, ...] = ()
+        self.begin(None)
 
     def key_name(self) -> str:
         return f"d2sd(k={self.branches},drafter={self.source.key_name()})"
 
     def begin(self, run) -> None:
-        self.bind_drafter(run)
+        if run is not None:
+            self.bind_drafter(run)
+        fresh = fresh_counts(run)
+        run = run or RunInfo(1, 1, set(), {})          # a nominal cost model until a run gives one
         self.eos_ids = tuple(sorted(run.eos_ids))
+        self.rows, self.forward_ms = max(run.rows, 1), run.forward_ms
+        self.draft_share = self.source.draft_share(getattr(run, "model", None))
+        self.clock = StepClock(self.estimate_ms, getattr(run, "step_ms", {}) if self.timed else {})
+        if fresh:
+            K = self.branches
+            self.rounds = 0
+            self.chain_tokens = 0                   # what the chain alone would have committed
+            self.covered, self.extra, self.hits_laid = [0] * K, [0] * K, [0] * K
+            self.chosen: dict[int, int] = {}        # branches laid out -> rounds
 
-    def report(self) -> dict:
-        return {"drafter": self.source.name}
-
-    def nodes(self) -> int:
-        return self.block + self.branches * (self.block - 1)
+    def nodes(self, k: int | None = None) -> int:
+        return self.block + (self.branches if k is None else k) * (self.block - 1)
 
     def max_width(self) -> int:
         return max(self.nodes(), self.branches * self.block)
 
     def plans(self) -> list[Plan]:
-        return [Plan(self.block)]
+        ks = range(self.branches + 1) if self.gate else [self.branches]
+        return [Plan(self.block, variant_for(k)) for k in ks]
+
+    def forwards_for(self, variant: str) -> int:
+        return 2 if variant == variant_for(0) else 3
+
+    def estimate_ms(self, rows: int, width: int, variant: str) -> float:
+        """The profile's ms of a round with k branches: the draft, the re-anchor forward of k
+        blocks (none for k = 0) and the verify of the tree's n + k(n-1) nodes."""
+        k, n, t = int(variant[1:] or self.branches), width, self.forward_ms
+        draft = self.draft_share * (t(rows, n) + (t(rows, k * n) if k else 0.0))
+        return draft + t(rows, n + k * (n - 1))
+
+    def step_cost(self, rows: int, plan: Plan, forward_ms) -> float:
+        k = int(plan.variant[1:] or self.branches)
+        n = plan.block
+        return forward_ms(rows, n) + (forward_ms(rows, k * n) if k else 0.0) + forward_ms(rows, n + k * (n - 1))
+
+    # --- host side: the branch gate -----------------------------------------------------------
+    def hit_rate(self, j: int) -> float:
+        """Branch j's share of rounds whose outcome it covered (the first rejection at its
+        boundary, the verifier's token its alternative): counted in every round, laid out or
+        not; a Beta prior worth 4 rounds at prior_hits."""
+        return (self.covered[j] + 4 * self.prior_hits) / (self.rounds + 4)
+
+    def mean_chain(self) -> float:
+        """Tokens a chain round commits on average (2 before any round: d1 is exact)."""
+        return (self.chain_tokens + 2 * 2.0) / (self.rounds + 2)
+
+    def mean_extra(self, j: int) -> float:
+        """Tokens branch j adds when it hits and is laid out (its a_p is accepted, then its
+        continuation and the verifier's token): before any, a fresh chain's mean minus one."""
+        prior = max(self.mean_chain() - 1.0, 1.0)
+        return (self.extra[j] + 2 * prior) / (self.hits_laid[j] + 2)
+
+    def choose_branches(self) -> int:
+        """k = argmax over 0..K of (mean chain tokens + Σ_{j<k} hit_j · extra_j) / T(k), T the
+        round's step time as measured (the profile's, scaled, before it ran).
+
+            chain 3.1 tokens; branch 0 hits 20% and adds 2.5; T(k0) = 45, T(k1) = 80 ms:
+            k0: 3.1 / 45 = .069,  k1: 3.6 / 80 = .045  -> k = 0 (a CPU: tokens cost)
+            T(k0) = 10, T(k1) = 11 ms (a GPU at low load): .31 vs .33 -> k = 1
+        """
+        if not self.gate:
+            return self.branches
+        value, best, best_rate = self.mean_chain(), 0, 0.0
+        for k in range(self.branches + 1):
+            if k:
+                value += self.hit_rate(k - 1) * self.mean_extra(k - 1)
+            rate = value / self.clock.time(self.rows, self.block, variant_for(k))
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def observe(self, seq) -> None:
+        """Book the request's last round: which branches covered its outcome, and what a laid
+        out one added (host columns: covered flags, then boundaries, K each)."""
+        h, K = seq.host, self.branches
+        if not h:
+            return
+        tokens = seq.accept_lengths[-1] if seq.accept_lengths else 0
+        laid = seq.state.get("branches", K)
+        chain = tokens
+        for j in range(K):
+            if h[j]:
+                self.covered[j] += 1
+                if j < laid:                        # the tree took this branch
+                    chain = h[K + j]                # the chain would have stopped at a_p
+                    self.hits_laid[j] += 1
+                    self.extra[j] += tokens - h[K + j]
+        self.rounds += 1
+        self.chain_tokens += chain
+
+    def plan_round(self, seqs) -> list[Plan]:
+        """One k for the round's step (all rows run one step: D²SD does not bucket)."""
+        for q in seqs:
+            self.observe(q)
+        k = self.choose_branches()
+        for q in seqs:
+            q.state["branches"] = k
+        self.chosen[k] = self.chosen.get(k, 0) + len(seqs)
+        return [Plan(self.block, variant_for(k)) for _ in seqs]
+
+    def plan(self, seq) -> Plan:
+        return self.plan_round([seq])[0]
+
+    def report(self) -> dict:
+        n = max(sum(self.chosen.values()), 1)
+        return {"drafter": self.source.name, "gate": int(self.gate), "rounds": self.rounds,
+                "branch_share": {k: c / n for k, c in sorted(self.chosen.items())},
+                "hit_rates": [round(self.hit_rate(j), 4) for j in range(self.branches)],
+                "mean_extra": [round(self.mean_extra(j), 3) for j in range(self.branches)],
+                "mean_chain_tokens": round(self.mean_chain(), 3),
+                "prices": "measured" if self.timed else "profile", "profile_check": self.clock.check()}
 
     # --- inside the step --------------------------------------------------------------------
     def boundaries(self, exact_d1: bool, prob: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -92,7 +224,7 @@ class D2SD(DrafterChoice, LinearSS):
 
     def round(self, step, pending, blocks, carry, variant="") -> RoundOutput:
         n, dev = step.width, pending.device
-        K, M = self.branches, self.source.mask_token_id(step)
+        K, M = int(variant[1:] or self.branches), self.source.mask_token_id(step)
         i = torch.arange(n, device=dev)
         positions = draft_positions(self.source, step, n, dev)               # [S, n] or None
 
@@ -101,7 +233,8 @@ class D2SD(DrafterChoice, LinearSS):
         drafts = logits.argmax(-1)          # tree candidates are deterministic (see verify.accept_tree)
         prob, conf, margin, alt, _ = draft_stats_and_alternatives(logits, drafts, self.eos_ids)
         alt = alt[..., 0]
-        bounds = self.boundaries(self.source.exact_first(step), prob, blocks)    # [S, K]
+        all_bounds = self.boundaries(self.source.exact_first(step), prob, blocks)   # [S, branches]
+        bounds = all_bounds[:, :K]                                            # the laid-out ones
 
         # 2. re-anchor: segment k keeps s d1..d(p-1), puts a_p at block position p, masks after.
         chain = torch.cat([pending[:, None], drafts[:, : n - 1]], 1)          # s d1 .. d(n-1)
@@ -111,9 +244,12 @@ class D2SD(DrafterChoice, LinearSS):
             a_p = alt.gather(1, p - 1)                                        # [S, 1]
             seg = torch.where(i[None, :] < p, chain, torch.full_like(chain, M))
             segs.append(torch.where(i[None, :] == p, a_p, seg))
-        seg_logits = self.source.segment_logits(step, torch.cat(segs, 1), blocks, n, carry, positions)
-        # e_(j+1) for aligned index j >= p: the drafter's continuation after a_p.
-        seg_drafts = seg_logits.argmax(-1)                                    # [S, K, n]
+        if K:
+            seg_logits = self.source.segment_logits(step, torch.cat(segs, 1), blocks, n, carry, positions)
+            # e_(j+1) for aligned index j >= p: the drafter's continuation after a_p.
+            seg_drafts = seg_logits.argmax(-1)                                # [S, K, n]
+        else:                                                                 # k0: the chain alone
+            seg_drafts = chain.new_zeros(chain.shape[0], 0, n)
 
         # 3. the tree, verified in one forward; the accepted path is compacted into place.
         tokens, parents, valid = assemble_tree(chain, alt, seg_drafts, bounds, blocks)
@@ -122,8 +258,28 @@ class D2SD(DrafterChoice, LinearSS):
         emitted, n_emitted, accepted, path = accept_tree(tokens, parents, valid, target_logits,
                                                          step.sampler, tmask, depth, n - 1)
         new = commit_path(self.source, carry, hidden, path, n_emitted, positions)
+        covered = covered_boundaries(emitted, n_emitted, drafts, alt, all_bounds)
         return RoundOutput(emitted, n_emitted, accepted, prob, conf, margin, carry=new,
-                           commit_cols=path, host=bounds)
+                           commit_cols=path, host=torch.cat([covered.long(), all_bounds], 1))
+
+
+def covered_boundaries(emitted: torch.Tensor, n_emitted: torch.Tensor, drafts: torch.Tensor,
+                       alt: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """[S, K] bool: did boundary k's branch cover the round's outcome — the committed tokens
+    follow the drafts d1..d(p-1), then the verifier's token at depth p is a_p? (A branch laid
+    out there was the accepted path; one not laid out would have been.) Same answer for a chain
+    round and a tree round: emitted [S, n] holds the committed tokens by depth (emitted[:, i]
+    at depth i + 1); drafts / alt [S, n] aligned (index i: d_(i+1) and its alternative).
+
+        drafts d1..d4 = 11 12 13 14, alt a2 = 22, a4 = 24; bounds (2, 4)
+        committed 11 22 35 (3 tokens): d1 matches, depth 2 is a2  -> covered (1, 0)
+        committed 11 12 13 24 (4):     depth 4 is a4              -> covered (0, 1)
+    """
+    n = emitted.shape[1]
+    matches = (emitted[:, : n - 1] == drafts[:, : n - 1]).long().cumprod(-1).sum(-1)   # [S]
+    at_p = emitted.gather(1, (bounds - 1).clamp(max=n - 1))                           # [S, K]
+    a_p = alt.gather(1, bounds - 1)
+    return (matches[:, None] >= bounds - 1) & (at_p == a_p) & (n_emitted[:, None] >= bounds)
 
 
 def assemble_tree(chain: torch.Tensor, alt: torch.Tensor, seg_drafts: torch.Tensor,

@@ -241,7 +241,7 @@ class LibraSpec(DrafterChoice, LinearSS):
         drafted = bool(h) and seq.block != AR_BLOCK
         wanted = self.width_for(h[H_GAMMA], bool(h[H_CAPPED])) if drafted else None   # the rule's
         if self.ar:
-            width = self.switch.next_block(seq, seq.block or self.block, wanted,
+            width = self.switch.next_block(seq, self.block, wanted,
                                            lambda w: self.price(rows, w), self.look_pays(rows), self.widths)
         else:
             width = wanted or seq.block or self.block

@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Callable
 
 LEVEL_RATE, SHAPE_RATE = 0.3, 0.05
+FIRST_SAMPLES = 3       # a step's shape is the least of its first samples, then a slow average
 
 StepKey = tuple[int, int, str]          # (rows, width, variant)
 
@@ -47,8 +48,11 @@ class StepClock:
     def timed(self, rows: int, width: int, variant: str, ms: float) -> None:
         """One measured step. A step's first measurement gives its shape at the current level
         (it says nothing of the level: its shape was unknown); later ones move the level at
-        LEVEL_RATE, and the shape as a running mean over its first measurements, then a slow
-        average (SHAPE_RATE).
+        LEVEL_RATE. The shape is the least of its first FIRST_SAMPLES readings (at their
+        levels), then a slow average (SHAPE_RATE): on a shared CPU the noise only ever slows
+        a step, and a first reading taken slow would otherwise price that step high for as long
+        as the planner, believing it, never runs it again (an AR step read at 50 ms, 20 in
+        truth, kept LibraSpec drafting at C=4, results/libraspec_bastion_prices_c48_zen4_1207.json).
 
             profile: tree round 160 ms, AR 10; measured 24 and 10
             tree first: level .15, shape 1; AR first: shape 1 / .15 = 6.7, level .15 still
@@ -63,8 +67,9 @@ class StepClock:
             return
         self.level = (1 - LEVEL_RATE) * self.level + LEVEL_RATE * ratio / known
         n = self.shape_n[key] = self.shape_n[key] + 1
-        rate = max(1 / n, SHAPE_RATE)
-        self.shape[key] = (1 - rate) * known + rate * ratio / self.level
+        reading = ratio / self.level
+        self.shape[key] = min(known, reading) if n <= FIRST_SAMPLES else \
+            (1 - SHAPE_RATE) * known + SHAPE_RATE * reading
 
     def mean_shape(self, rows: int, width: int) -> float:
         """The mean shape of the measured steps of this (rows, width), else of all; 1 if none."""
