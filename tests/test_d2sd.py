@@ -8,10 +8,12 @@ import torch
 from conftest import random_token_prompts, tiny_drafter
 from fastspec.convention import FASTSPEC, NLD
 from fastspec.engine import Engine
-from fastspec.methods.d2sd import D2SD, assemble_tree, covered_boundaries
+from fastspec.methods.d2sd import D2SD, assemble_tree, covered_boundaries, point_mass_logp
+from fastspec.methods.linear import LinearSS
 from fastspec.methods.drafter import exact_first_draft
 from fastspec.tree import tree_mask
-from fastspec.sampling import SamplingParams
+from fastspec.sampling import SamplerState, SamplingParams
+from fastspec.verify import accept_chain
 
 
 def test_boundaries_are_the_most_likely_first_rejections():
@@ -146,3 +148,38 @@ def test_gated_d2sd_equals_ar_and_counts_the_forwards_it_ran(concurrency):
     assert rep["rounds"] > 0 and abs(sum(rep["branch_share"].values()) - 1) < 1e-9, rep
     for c in d2:
         assert 1 + 2 * c.rounds <= c.forwards <= 1 + 3 * c.rounds
+
+
+def test_a_chain_round_equals_linearss_round_for_round():
+    """k0 is LinearSS's round: with the gate held at k0, D²SD commits the same tokens in the
+    same rounds with the same forwards, by length (no tree, no compaction)."""
+    engine = Engine(tiny_drafter(), backend="eager")
+    prompts = random_token_prompts(3, seed=31)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    linear = engine.generate(prompts, params, method=LinearSS(8), concurrency=2)
+    m = D2SD(8, 2)
+    m.choose_branches = lambda: 0
+    d2 = engine.generate(prompts, params, method=m, concurrency=2)
+    for a, b in zip(d2, linear):
+        assert a.token_ids == b.token_ids
+        assert (a.rounds, a.forwards, a.accept_lengths) == (b.rounds, b.forwards, b.accept_lengths)
+    assert m.report()["branch_share"] == {0: 1.0}
+
+
+def test_a_chain_round_under_sampling_keeps_the_target_law():
+    """The chain's drafts are the argmax (q a point mass on each): accept d with p(d), else
+    draw from p without d, so the first token follows p exactly."""
+    V, n = 6, 4
+    target_logits = torch.randn(n, V, generator=torch.Generator().manual_seed(0)) * 1.5
+    p0 = target_logits[0].softmax(-1)
+    distances = []
+    for samples, seed in ((500, 1), (50_000, 2)):
+        sampler = SamplerState(samples, seed=seed, mode="sample")
+        sampler.temperature.fill_(1.0)
+        drafts = torch.tensor([2, 0, 5, 1]).expand(samples, n)
+        logits = target_logits.expand(samples, n, V)
+        emitted, _, accepted = accept_chain(drafts, logits, torch.full((samples,), n), sampler,
+                                            point_mass_logp(drafts, logits))
+        first = torch.bincount(emitted[:, 0], minlength=V).float() / samples
+        distances.append(0.5 * (first - p0).abs().sum().item())
+    assert accepted.float().mean() > 0 and distances[1] < 0.01 and distances[1] < distances[0]

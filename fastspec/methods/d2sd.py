@@ -35,9 +35,9 @@ most expected tokens per ms of its step (the step times as measured, StepClock):
 
     E_k / T(k),   E_k = (mean chain tokens) + Σ_{j<k} hit_j · extra_j
 
-k = 0 is the chain alone: the draft and a chain verify, two forwards (LinearSS's round, verified
-as a one-path tree). On a 2-core CPU, where a round with two branches costs about twice the
-chain's, the branches rarely pay; on a GPU at low load, where tokens are almost free, they do.
+k = 0 is the chain alone: the draft and a chain verify, two forwards (LinearSS's round: causal
+verify, committed by length). On a 2-core CPU, where a round with two branches costs about twice
+the chain's, the branches rarely pay; on a GPU at low load, where tokens are almost free, they do.
 """
 from __future__ import annotations
 
@@ -50,8 +50,9 @@ from fastspec.methods.drafter import (DrafterChoice, commit_path, draft_position
                                      make_drafter)
 from fastspec.methods.linear import BLOCK_SIZES, LinearSS
 from fastspec.methods.step_clock import StepClock
+from fastspec.layout import causal_block
 from fastspec.tree import tree_mask
-from fastspec.verify import accept_tree
+from fastspec.verify import accept_chain, accept_tree
 
 
 def variant_for(k: int) -> str:
@@ -236,20 +237,20 @@ class D2SD(DrafterChoice, LinearSS):
         all_bounds = self.boundaries(self.source.exact_first(step), prob, blocks)   # [S, branches]
         bounds = all_bounds[:, :K]                                            # the laid-out ones
 
-        # 2. re-anchor: segment k keeps s d1..d(p-1), puts a_p at block position p, masks after.
         chain = torch.cat([pending[:, None], drafts[:, : n - 1]], 1)          # s d1 .. d(n-1)
+        if not K:
+            return self.chain_round(step, chain, drafts, logits, blocks, carry, positions,
+                                    (prob, conf, margin), alt, all_bounds)
+
+        # 2. re-anchor: segment k keeps s d1..d(p-1), puts a_p at block position p, masks after.
         segs = []
         for k in range(K):
             p = bounds[:, k: k + 1]                                           # [S, 1]
             a_p = alt.gather(1, p - 1)                                        # [S, 1]
             seg = torch.where(i[None, :] < p, chain, torch.full_like(chain, M))
             segs.append(torch.where(i[None, :] == p, a_p, seg))
-        if K:
-            seg_logits = self.source.segment_logits(step, torch.cat(segs, 1), blocks, n, carry, positions)
-            # e_(j+1) for aligned index j >= p: the drafter's continuation after a_p.
-            seg_drafts = seg_logits.argmax(-1)                                # [S, K, n]
-        else:                                                                 # k0: the chain alone
-            seg_drafts = chain.new_zeros(chain.shape[0], 0, n)
+        seg_logits = self.source.segment_logits(step, torch.cat(segs, 1), blocks, n, carry, positions)
+        seg_drafts = seg_logits.argmax(-1)    # [S, K, n]: e_(j+1) at aligned j >= p, after a_p
 
         # 3. the tree, verified in one forward; the accepted path is compacted into place.
         tokens, parents, valid = assemble_tree(chain, alt, seg_drafts, bounds, blocks)
@@ -261,6 +262,27 @@ class D2SD(DrafterChoice, LinearSS):
         covered = covered_boundaries(emitted, n_emitted, drafts, alt, all_bounds)
         return RoundOutput(emitted, n_emitted, accepted, prob, conf, margin, carry=new,
                            commit_cols=path, host=torch.cat([covered.long(), all_bounds], 1))
+
+    def chain_round(self, step, chain, drafts, logits, blocks, carry, positions, stats, alt,
+                    bounds) -> RoundOutput:
+        """k0: the chain verified as LinearSS verifies it (causal, committed by length: no tree
+        mask, no K/V compaction). Its drafts are the argmax, as in a tree round, so under sampling
+        the draft law q is the point mass on each draft (accept with p(d), else resample from p
+        without d): the same law as the one-path tree."""
+        n, dev = chain.shape[1], chain.device
+        target_logits, hidden = self.source.verify(step, chain, causal_block(n, dev))
+        q = point_mass_logp(drafts, logits) if step.sampler.any_sampled else None
+        emitted, n_emitted, accepted = accept_chain(drafts, target_logits, blocks, step.sampler, q)
+        committed = torch.arange(n, device=dev)[None, :] < n_emitted[:, None]
+        new = self.source.commit(carry, hidden, positions, committed)
+        covered = covered_boundaries(emitted, n_emitted, drafts, alt, bounds)
+        return RoundOutput(emitted, n_emitted, accepted, *stats, carry=new,
+                           host=torch.cat([covered.long(), bounds], 1))
+
+
+def point_mass_logp(drafts: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """[S, n, V] log-probs of a deterministic drafter: 0 at each draft, -inf elsewhere."""
+    return torch.full_like(like, float("-inf")).scatter(-1, drafts[..., None], 0.0)
 
 
 def covered_boundaries(emitted: torch.Tensor, n_emitted: torch.Tensor, drafts: torch.Tensor,
