@@ -5,6 +5,8 @@ Table 3  branch coverage and reuse (verification-overlapped drafting)
 Table 4  share of rounds choosing each block size, per concurrency
 Table 5/6 ablation ladders: tokens/s of each labelled run (`--method 'linear,recguide[...]'`)
 Figure 5 aggregate vs per-request tokens/s over concurrency (PNG)
+and the other planners' decisions: LibraSpec's lengths, D²SD's branches, BASTION's trees, and
+every timed method's measured step times against the device profile.
 """
 from __future__ import annotations
 
@@ -79,6 +81,47 @@ def print_tables(console, runs: list[dict], records, block: int | None = None) -
             tab.add_row(escape(r["method"]), str(r["concurrency"]), str(m["rows"]), str(m["rounds"]),
                         f"{m['mean_gamma']:.2f}", gam, *(f"{sh.get(w, 0):.0%}" for w in widths))
         console.print(tab)
+    d2sd = [r for r in runs if "branch_share" in (r.get("method_report") or {})]
+    if d2sd:
+        tab = Table(title="D²SD — branches laid out per round (the gate) and what each boundary's "
+                          "branch buys: share of rounds it covered, tokens it adds when laid out")
+        for col in ("method", "C", "rounds", "branches (share)", "covered", "adds", "chain tokens", "prices"):
+            tab.add_column(col, justify="left" if col in ("method", "branches (share)", "prices") else "right")
+        for r in d2sd:
+            m = r["method_report"]
+            tab.add_row(escape(r["method"]), str(r["concurrency"]), str(m["rounds"]),
+                        " ".join(f"{k}:{v:.0%}" for k, v in m["branch_share"].items()),
+                        " ".join(f"{h:.0%}" for h in m["hit_rates"]),
+                        " ".join(f"{x:.2f}" for x in m["mean_extra"]),
+                        f"{m['mean_chain_tokens']:.2f}", m.get("prices", ""))
+        console.print(tab)
+    trees = [r for r in runs if "budget_share" in (r.get("method_report") or {})]
+    if trees:
+        tab = Table(title="BASTION — tree size (nodes wanted by the stop rule, laid out, budget) "
+                          "and plain AR rounds, per C")
+        for col in ("method", "C", "rounds", "wanted", "nodes", "budget", "tokens/round",
+                    "AR rounds", "looks", "prices"):
+            tab.add_column(col, justify="left" if col in ("method", "prices") else "right")
+        for r in trees:
+            m = r["method_report"]
+            tab.add_row(escape(r["method"]), str(r["concurrency"]), str(m["rounds"]),
+                        f"{m['mean_wanted_nodes']:.1f}", f"{m['mean_nodes']:.1f}", f"{m['mean_budget']:.1f}",
+                        f"{m['tau']:.2f}", f"{m.get('ar_share', 0):.0%}", str(m.get("looks", 0)),
+                        m.get("prices", ""))
+        console.print(tab)
+    checks = [r for r in runs if ((r.get("method_report") or {}).get("profile_check") or {}).get("steps")]
+    if checks:
+        tab = Table(title="Step time: device-profile estimate vs measured step (ms)")
+        for col in ("method", "C", "step", "measured", "profile", "error"):
+            tab.add_column(col, justify="left" if col in ("method", "step") else "right")
+        for r in checks:
+            pc = r["method_report"]["profile_check"]
+            for key, x in pc["steps"].items():
+                tab.add_row(escape(r["method"]), str(r["concurrency"]), key, f"{x['measured']:.1f}",
+                            f"{x['profile']:.1f}", f"{x['error']:+.0%}")
+            tab.add_row(escape(r["method"]), str(r["concurrency"]), "mean |error|", "", "",
+                        f"{pc['mean_abs_error']:.0%}", end_section=True)
+        console.print(tab)
     if not reports:
         return
     tab = Table(title="Table 3 — RecGuide branches: proposed, coverage, reuse (per round)")
@@ -92,19 +135,6 @@ def print_tables(console, runs: list[dict], records, block: int | None = None) -
                     f"{m['laid_out'] / n:.2f}", f"{m['coverage']:.1%}", f"{m['reuse']:.1%}",
                     f"{m['no_hit']:.1%}", " ".join(f"{k}:{v}" for k, v in m["slots_chosen"].items()))
     console.print(tab)
-    checks = [r for r in reports if (r["method_report"].get("profile_check") or {}).get("steps")]
-    if checks:
-        tab = Table(title="Round time: device-profile estimate vs measured step (ms)")
-        for col in ("method", "C", "step", "measured", "profile", "error"):
-            tab.add_column(col, justify="left" if col in ("method", "step") else "right")
-        for r in checks:
-            pc = r["method_report"]["profile_check"]
-            for key, x in pc["steps"].items():
-                tab.add_row(escape(r["method"]), str(r["concurrency"]), key, f"{x['measured']:.1f}",
-                            f"{x['profile']:.1f}", f"{x['error']:+.0%}")
-            tab.add_row(escape(r["method"]), str(r["concurrency"]), "mean |error|", "", "",
-                        f"{pc['mean_abs_error']:.0%}", end_section=True)
-        console.print(tab)
     bounds = [r for r in reports if len(r["method_report"].get("gate_bound") or []) > 1]
     if bounds:
         tab = Table(title="Gate bound — tok/s ÷ plain rounds at best with k slots every round "
