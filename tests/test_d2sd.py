@@ -40,6 +40,10 @@ def test_bad_options_are_refused():
         D2SD(block=6)
     with pytest.raises(FastspecError):
         D2SD(block=8, gate=2)
+    with pytest.raises(FastspecError, match="ar must be 0 or 1"):
+        D2SD(block=8, ar=2)
+    with pytest.raises(FastspecError, match="prices must be"):
+        D2SD(block=8, prices="guess")
 
 
 @pytest.mark.parametrize("block, branches, concurrency", [(8, 2, 1), (4, 1, 3), (8, 3, 8)])
@@ -48,7 +52,7 @@ def test_greedy_d2sd_equals_ar_token_for_token(block, branches, concurrency):
     prompts = random_token_prompts(6, seed=block + branches)
     params = SamplingParams(max_new_tokens=33)
     ar = engine.generate(prompts, params, concurrency=concurrency)
-    d2 = engine.generate(prompts, params, method=D2SD(block, branches, gate=0), concurrency=concurrency)
+    d2 = engine.generate(prompts, params, method=D2SD(block, branches, gate=0, ar=0), concurrency=concurrency)
     assert [c.token_ids for c in d2] == [c.token_ids for c in ar]
     # Three forwards a round, counted as run.
     assert all(c.forwards == 1 + 3 * c.rounds for c in d2)
@@ -74,7 +78,7 @@ def test_d2sd_compiled_step_equals_ar():
     prompts = random_token_prompts(3, seed=5)
     params = SamplingParams(max_new_tokens=20)
     ar = engine.generate(prompts, params, concurrency=3)
-    d2 = engine.generate(prompts, params, method=D2SD(4, 1, gate=0), concurrency=3)
+    d2 = engine.generate(prompts, params, method=D2SD(4, 1, gate=0, ar=0), concurrency=3)
     assert [c.token_ids for c in d2] == [c.token_ids for c in ar]
     assert engine.last_stats.recompiles == 0
 
@@ -98,12 +102,12 @@ def gate_after(rounds, times, branches=2):
     out), pricing steps at `times` {k: ms} as measured."""
     from types import SimpleNamespace
     from fastspec.methods.base import RunInfo
-    m = D2SD(block=8, branches=branches)
+    m = D2SD(block=8, branches=branches, ar=0)
     m.begin(RunInfo(1, 1, set(), {}, lambda rows, tokens: 10.0 + tokens))
     for k, ms in times.items():
         for _ in range(3):
             m.timed_step(1, 8, f"k{k}", ms)
-    seq = SimpleNamespace(host=[], accept_lengths=[], state={})
+    seq = SimpleNamespace(host=[], accept_lengths=[], state={}, block=8)
     for tokens, covered, bounds, laid in rounds:
         seq.state["branches"] = laid
         seq.host, seq.accept_lengths = list(covered) + list(bounds), [tokens]
@@ -141,7 +145,7 @@ def test_gated_d2sd_equals_ar_and_counts_the_forwards_it_ran(concurrency):
     prompts = random_token_prompts(4, seed=20 + concurrency)
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     ar = engine.generate(prompts, params, concurrency=concurrency)
-    m = D2SD(8, 2)
+    m = D2SD(8, 2, ar=0)
     d2 = engine.generate(prompts, params, method=m, concurrency=concurrency)
     assert [c.token_ids for c in d2] == [c.token_ids for c in ar]
     rep = m.report()
@@ -157,7 +161,7 @@ def test_a_chain_round_equals_linearss_round_for_round():
     prompts = random_token_prompts(3, seed=31)
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     linear = engine.generate(prompts, params, method=LinearSS(8), concurrency=2)
-    m = D2SD(8, 2)
+    m = D2SD(8, 2, ar=0)
     m.choose_branches = lambda: 0
     d2 = engine.generate(prompts, params, method=m, concurrency=2)
     for a, b in zip(d2, linear):
@@ -183,3 +187,35 @@ def test_a_chain_round_under_sampling_keeps_the_target_law():
         first = torch.bincount(emitted[:, 0], minlength=V).float() / samples
         distances.append(0.5 * (first - p0).abs().sum().item())
     assert accepted.float().mean() > 0 and distances[1] < 0.01 and distances[1] < distances[0]
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_where_drafting_does_not_pay_d2sd_takes_ar_rounds_and_still_equals_ar(concurrency):
+    """T = 10 ms a token: a perfect chain round (8 tokens, ~170 ms) loses to AR's 10 ms, so every
+    round is an AR round (one forward, one token), as with LibraSpec and BASTION."""
+    engine = Engine(tiny_drafter(), backend="eager")
+    prompts = random_token_prompts(4, seed=50 + concurrency)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ar = engine.generate(prompts, params, concurrency=concurrency)
+    engine._forward_cost = lambda rows, tokens: 10.0 * rows * tokens
+    m = D2SD(8, 2, prices="profile")
+    out = engine.generate(prompts, params, method=m, concurrency=concurrency)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    assert not m.look_pays() and m.report()["ar_share"] == 1.0, m.report()
+    for c in out:
+        assert set(c.accept_lengths) == {1} and c.forwards == 1 + len(c.accept_lengths)
+
+
+def test_a_d2sd_run_mixes_ar_and_chain_rounds_and_still_equals_ar():
+    """T = 10 + 3·tokens: a chain round (~60 ms) rarely beats AR's 13 ms, a perfect one would;
+    requests switch between AR rounds and drafting rounds and the output is AR's."""
+    engine = Engine(tiny_drafter(), backend="eager")
+    prompts = random_token_prompts(6, seed=61)
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    ar = engine.generate(prompts, params, concurrency=3)
+    engine._forward_cost = lambda rows, tokens: 10.0 + 3.0 * tokens
+    m = D2SD(8, 2, prices="profile")
+    out = engine.generate(prompts, params, method=m, concurrency=3)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    rep = m.report()
+    assert m.look_pays() and rep["looks"] >= 1 and 0.5 < rep["ar_share"] < 1.0, rep

@@ -514,12 +514,13 @@ def test_bf16_training_learns_and_keeps_the_drafter_fp32(tmp_path):
 # --- LibraSpec, D²SD and BASTION on the DFlash drafter -------------------------------------------
 def dflash_drafted(name, W=1024, ar=False):
     """LibraSpec / D²SD / BASTION drafting with the model's DFlash drafter (bound at run start);
-    ar: with the plain AR round in LibraSpec's widths / BASTION's budgets, priced by the profile."""
+    ar: with the plain AR round in LibraSpec's widths / BASTION's budgets / D²SD's rounds,
+    priced by the profile."""
     from fastspec.methods import get_method
     one = "1/" if ar else ""
     prices = ";prices=profile" if ar else ""          # the test's cost model decides, not timings
     spec = {"libraspec": f"libraspec[drafter=dflash;window={W};blocks={one}4/8/16{prices}]",
-            "d2sd": f"d2sd[drafter=dflash;window={W};block=8;branches=2]",
+            "d2sd": f"d2sd[drafter=dflash;window={W};block=8;branches=2;ar={int(ar)}{prices}]",
             "bastion": f"bastion[drafter=dflash;window={W};block=8;budgets={one}8/16;draft_block=8{prices}]"}[name]
     return get_method(spec)
 
@@ -550,7 +551,8 @@ def test_compiled_rounds_on_the_dflash_drafter_equal_ar(name):
 
 
 @pytest.mark.parametrize("name, ar", [("libraspec", False), ("d2sd", False), ("bastion", False),
-                                      ("libraspec", True), ("bastion", True)])
+                                      ("libraspec", True), ("d2sd", True),
+                                      ("bastion", True)])
 def test_a_tree_or_variable_chain_fills_the_ring_with_the_committed_tokens(name, ar):
     """The ring after every round of BASTION (the accepted path of a tree, gathered from the tree
     verify's captured layers) and LibraSpec (chains of varying width) holds what a full recompute

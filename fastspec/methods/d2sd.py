@@ -38,12 +38,18 @@ most expected tokens per ms of its step (the step times as measured, StepClock):
 k = 0 is the chain alone: the draft and a chain verify, two forwards (LinearSS's round: causal
 verify, committed by length). On a 2-core CPU, where a round with two branches costs about twice
 the chain's, the branches rarely pay; on a GPU at low load, where tokens are almost free, they do.
+
+Plain AR rounds (`ar=1`, the default): as LibraSpec and BASTION, a request whose rounds commit
+clearly fewer tokens per ms than AR would takes one-forward AR rounds, and looks at the drafts
+again now and then (methods/ar_rounds.py); under load on a CPU nothing drafts.
 """
 from __future__ import annotations
 
 import torch
 
 from fastspec.config import FastspecError
+from fastspec.methods.ar_rounds import (AR_BLOCK, AR_VARIANT, ARSwitch, ar_round,
+                                        perfect_draft_pays)
 from fastspec.methods.base import Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import (DrafterChoice, commit_path, draft_positions,
                                      draft_stats_and_alternatives,
@@ -66,11 +72,14 @@ class D2SD(DrafterChoice, LinearSS):
     forwards = 3
 
     def __init__(self, block: int = 8, branches: int = 2, drafter: str = "self", window: int = 1024,
-                 gate: int = 1, prior_hits: float = 0.3):
+                 gate: int = 1, prior_hits: float = 0.3, ar: int = 1, prices: str = "measured"):
         """branches: the most re-anchored branches a round lays out (K). gate: 1, the branch
         gate picks k = 0..K each round from what branches have added per ms (module doc); 0,
         always K (the paper's round). prior_hits: the hit rate assumed for a branch before
-        rounds are seen. drafter: "self" (the backbone's adapter) or "dflash" (the model's DFlash
+        rounds are seen. ar: 1, a request takes plain AR rounds where its rounds commit
+        clearly fewer tokens per ms than AR would (methods/ar_rounds.py, as LibraSpec and
+        BASTION); 0, it always drafts. prices: "measured" (this run's step times, StepClock) or
+        "profile" (the device profile's alone: deterministic plans). drafter: "self" (the backbone's adapter) or "dflash" (the model's DFlash
         drafter, with a context ring of `window` committed tokens per request: both drafts are
         its forwards, the re-anchored blocks hold real tokens before their masks)."""
         if block not in BLOCK_SIZES:
@@ -81,16 +90,21 @@ class D2SD(DrafterChoice, LinearSS):
             raise FastspecError(f"d2sd: gate must be 0 or 1, got {gate}")
         if not 0.0 <= prior_hits <= 1.0:
             raise FastspecError(f"d2sd: prior_hits must be in [0, 1], got {prior_hits}")
+        if ar not in (0, 1):
+            raise FastspecError(f"d2sd: ar must be 0 or 1, got {ar}")
+        if prices not in ("measured", "profile"):
+            raise FastspecError(f"d2sd: prices must be measured or profile, got {prices!r}")
         self.source = make_drafter(drafter, window, block)
         super().__init__(block)
         self.branches = branches
-        self.gate, self.prior_hits = bool(gate), float(prior_hits)
-        self.timed = self.gate              # the gate reads measured step times
+        self.gate, self.prior_hits, self.ar = bool(gate), float(prior_hits), bool(ar)
+        # the gate and the AR switch read measured step times
+        self.timed = (self.gate or self.ar) and prices == "measured"
         self.eos_ids: tuple[int, ...] = ()
         self.begin(None)
 
     def key_name(self) -> str:
-        return f"d2sd(k={self.branches},drafter={self.source.key_name()})"
+        return f"d2sd(k={self.branches},ar={int(self.ar)},drafter={self.source.key_name()})"
 
     def begin(self, run) -> None:
         if run is not None:
@@ -107,6 +121,8 @@ class D2SD(DrafterChoice, LinearSS):
             self.chain_tokens = 0                   # what the chain alone would have committed
             self.covered, self.extra, self.hits_laid = [0] * K, [0] * K, [0] * K
             self.chosen: dict[int, int] = {}        # branches laid out -> rounds
+            self.switch = ARSwitch()                # who drafts, who takes AR rounds
+            self.block_rounds: dict[int, int] = {}  # AR_BLOCK or the block -> rounds
 
     def nodes(self, k: int | None = None) -> int:
         return self.block + (self.branches if k is None else k) * (self.block - 1)
@@ -116,19 +132,25 @@ class D2SD(DrafterChoice, LinearSS):
 
     def plans(self) -> list[Plan]:
         ks = range(self.branches + 1) if self.gate else [self.branches]
-        return [Plan(self.block, variant_for(k)) for k in ks]
+        return [Plan(self.block, variant_for(k)) for k in ks] + \
+            ([Plan(AR_BLOCK, AR_VARIANT)] if self.ar else [])
 
     def forwards_for(self, variant: str) -> int:
-        return 2 if variant == variant_for(0) else 3
+        return 1 if variant == AR_VARIANT else 2 if variant == variant_for(0) else 3
 
     def estimate_ms(self, rows: int, width: int, variant: str) -> float:
         """The profile's ms of a round with k branches: the draft, the re-anchor forward of k
-        blocks (none for k = 0) and the verify of the tree's n + k(n-1) nodes."""
+        blocks (none for k = 0) and the verify of the tree's n + k(n-1) nodes; or an AR
+        round's forward."""
+        if variant == AR_VARIANT:
+            return self.forward_ms(rows, 1)
         k, n, t = int(variant[1:] or self.branches), width, self.forward_ms
         draft = self.draft_share * (t(rows, n) + (t(rows, k * n) if k else 0.0))
         return draft + t(rows, n + k * (n - 1))
 
     def step_cost(self, rows: int, plan: Plan, forward_ms) -> float:
+        if plan.variant == AR_VARIANT:
+            return forward_ms(rows, 1)
         k = int(plan.variant[1:] or self.branches)
         n = plan.block
         return forward_ms(rows, n) + (forward_ms(rows, k * n) if k else 0.0) + forward_ms(rows, n + k * (n - 1))
@@ -169,11 +191,23 @@ class D2SD(DrafterChoice, LinearSS):
                 best, best_rate = k, rate
         return best
 
+    def price(self, block: int, k: int) -> float:
+        """ms of a round at the run's batch: an AR round (block AR_BLOCK), else one with k
+        branches, as this run measures its steps (the profile's where `prices=profile`)."""
+        if block == AR_BLOCK:
+            return self.clock.time(self.rows, 1, AR_VARIANT)
+        return self.clock.time(self.rows, self.block, variant_for(k))
+
+    def look_pays(self) -> bool:
+        """Would a perfect chain round (every draft accepted: `block` tokens) beat AR?"""
+        return perfect_draft_pays([(self.block, self.price(self.block, 0))], self.price(AR_BLOCK, 0))
+
     def observe(self, seq) -> None:
         """Book the request's last round: which branches covered its outcome, and what a laid
-        out one added (host columns: covered flags, then boundaries, K each)."""
+        out one added (host columns: covered flags, then boundaries, K each; an AR round has
+        none to book)."""
         h, K = seq.host, self.branches
-        if not h:
+        if not h or seq.block == AR_BLOCK:
             return
         tokens = seq.accept_lengths[-1] if seq.accept_lengths else 0
         laid = seq.state.get("branches", K)
@@ -189,21 +223,37 @@ class D2SD(DrafterChoice, LinearSS):
         self.chain_tokens += chain
 
     def plan_round(self, seqs) -> list[Plan]:
-        """One k for the round's step (all rows run one step: D²SD does not bucket)."""
+        """One k for the round's drafting step (its rows run one step: D²SD does not bucket);
+        with `ar`, each request drafts or takes an AR round (ARSwitch: its drafting rounds'
+        tokens per ms against AR's, each priced at the k it ran)."""
         for q in seqs:
             self.observe(q)
-        k = self.choose_branches()
+        k, look_pays = self.choose_branches(), self.ar and self.look_pays()
+        plans = []
         for q in seqs:
-            q.state["branches"] = k
-        self.chosen[k] = self.chosen.get(k, 0) + len(seqs)
-        return [Plan(self.block, variant_for(k)) for _ in seqs]
+            block = self.block
+            if self.ar:
+                last_k = q.state.get("branches", k)
+                block = self.switch.next_block(q, self.block, self.block,
+                                               lambda b, lk=last_k: self.price(b, lk), look_pays,
+                                               self.block_rounds)
+            self.block_rounds[block] = self.block_rounds.get(block, 0) + 1
+            if block == AR_BLOCK:
+                plans.append(Plan(AR_BLOCK, AR_VARIANT))
+            else:
+                q.state["branches"] = k
+                self.chosen[k] = self.chosen.get(k, 0) + 1
+                plans.append(Plan(self.block, variant_for(k)))
+        return plans
 
     def plan(self, seq) -> Plan:
         return self.plan_round([seq])[0]
 
     def report(self) -> dict:
         n = max(sum(self.chosen.values()), 1)
+        all_rounds = max(sum(self.block_rounds.values()), 1)
         return {"drafter": self.source.name, "gate": int(self.gate), "rounds": self.rounds,
+                "ar_share": self.block_rounds.get(AR_BLOCK, 0) / all_rounds, "looks": self.switch.looks,
                 "branch_share": {k: c / n for k, c in sorted(self.chosen.items())},
                 "hit_rates": [round(self.hit_rate(j), 4) for j in range(self.branches)],
                 "mean_extra": [round(self.mean_extra(j), 3) for j in range(self.branches)],
@@ -224,6 +274,8 @@ class D2SD(DrafterChoice, LinearSS):
         return first_reject.topk(self.branches, dim=-1).indices + 1        # [S, K]
 
     def round(self, step, pending, blocks, carry, variant="") -> RoundOutput:
+        if variant == AR_VARIANT:
+            return ar_round(self.source, step, pending, carry, 2 * self.branches)
         n, dev = step.width, pending.device
         K, M = int(variant[1:] or self.branches), self.source.mask_token_id(step)
         i = torch.arange(n, device=dev)
