@@ -79,9 +79,10 @@ class D2SD(DrafterChoice, LinearSS):
         rounds are seen. ar: 1, a request takes plain AR rounds where its rounds commit
         clearly fewer tokens per ms than AR would (methods/ar_rounds.py, as LibraSpec and
         BASTION); 0, it always drafts. prices: "measured" (this run's step times, StepClock) or
-        "profile" (the device profile's alone: deterministic plans). drafter: "self" (the backbone's adapter) or "dflash" (the model's DFlash
-        drafter, with a context ring of `window` committed tokens per request: both drafts are
-        its forwards, the re-anchored blocks hold real tokens before their masks)."""
+        "profile" (the device profile's alone: deterministic plans). drafter: "self" (the
+        backbone's adapter) or "dflash" (the model's DFlash drafter, with a context ring of
+        `window` committed tokens per request: both drafts are its forwards, the re-anchored
+        blocks hold real tokens before their masks)."""
         if block not in BLOCK_SIZES:
             raise FastspecError(f"--block must be one of {BLOCK_SIZES}, got {block}")
         if not 1 <= branches <= block - 2:
