@@ -52,13 +52,11 @@ from fastspec.methods.ar_rounds import (AR_BLOCK, AR_VARIANT, ARSwitch, ar_round
                                         perfect_draft_pays)
 from fastspec.methods.base import Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import (DrafterChoice, commit_path, draft_positions,
-                                     draft_stats_and_alternatives,
-                                     make_drafter)
+                                     draft_stats_and_alternatives, make_drafter, verify_chain)
 from fastspec.methods.linear import BLOCK_SIZES, LinearSS
 from fastspec.methods.step_clock import StepClock
-from fastspec.layout import causal_block
 from fastspec.tree import tree_mask
-from fastspec.verify import accept_chain, accept_tree
+from fastspec.verify import accept_tree
 
 
 def variant_for(k: int) -> str:
@@ -279,7 +277,6 @@ class D2SD(DrafterChoice, LinearSS):
             return ar_round(self.source, step, pending, carry, 2 * self.branches)
         n, dev = step.width, pending.device
         K, M = int(variant[1:] or self.branches), self.source.mask_token_id(step)
-        i = torch.arange(n, device=dev)
         positions = draft_positions(self.source, step, n, dev)               # [S, n] or None
 
         # 1. the first draft: d1..d(n-1) at aligned indices 0..n-2.
@@ -290,12 +287,20 @@ class D2SD(DrafterChoice, LinearSS):
         all_bounds = self.boundaries(self.source.exact_first(step), prob, blocks)   # [S, branches]
         bounds = all_bounds[:, :K]                                            # the laid-out ones
 
-        chain = torch.cat([pending[:, None], drafts[:, : n - 1]], 1)          # s d1 .. d(n-1)
         if not K:
-            return self.chain_round(step, chain, drafts, logits, blocks, carry, positions,
-                                    (prob, conf, margin), alt, all_bounds)
+            # k0: LinearSS's verify (causal, committed by length: no tree mask, no K/V
+            # compaction). The drafts are the argmax, as in a tree round, so under sampling q is
+            # the point mass on each (accept d with p(d), else draw from p without d).
+            q = point_mass_logp(drafts, logits) if step.sampler.any_sampled else None
+            emitted, n_emitted, accepted, new = verify_chain(self.source, step, pending, drafts,
+                                                             blocks, carry, positions, q)
+            covered = covered_boundaries(emitted, n_emitted, drafts, alt, all_bounds)
+            return RoundOutput(emitted, n_emitted, accepted, prob, conf, margin, carry=new,
+                               host=torch.cat([covered.long(), all_bounds], 1))
 
         # 2. re-anchor: segment k keeps s d1..d(p-1), puts a_p at block position p, masks after.
+        chain = torch.cat([pending[:, None], drafts[:, : n - 1]], 1)          # s d1 .. d(n-1)
+        i = torch.arange(n, device=dev)
         segs = []
         for k in range(K):
             p = bounds[:, k: k + 1]                                           # [S, 1]
@@ -315,22 +320,6 @@ class D2SD(DrafterChoice, LinearSS):
         covered = covered_boundaries(emitted, n_emitted, drafts, alt, all_bounds)
         return RoundOutput(emitted, n_emitted, accepted, prob, conf, margin, carry=new,
                            commit_cols=path, host=torch.cat([covered.long(), all_bounds], 1))
-
-    def chain_round(self, step, chain, drafts, logits, blocks, carry, positions, stats, alt,
-                    bounds) -> RoundOutput:
-        """k0: the chain verified as LinearSS verifies it (causal, committed by length: no tree
-        mask, no K/V compaction). Its drafts are the argmax, as in a tree round, so under sampling
-        the draft law q is the point mass on each draft (accept with p(d), else resample from p
-        without d): the same law as the one-path tree."""
-        n, dev = chain.shape[1], chain.device
-        target_logits, hidden = self.source.verify(step, chain, causal_block(n, dev))
-        q = point_mass_logp(drafts, logits) if step.sampler.any_sampled else None
-        emitted, n_emitted, accepted = accept_chain(drafts, target_logits, blocks, step.sampler, q)
-        committed = torch.arange(n, device=dev)[None, :] < n_emitted[:, None]
-        new = self.source.commit(carry, hidden, positions, committed)
-        covered = covered_boundaries(emitted, n_emitted, drafts, alt, bounds)
-        return RoundOutput(emitted, n_emitted, accepted, *stats, carry=new,
-                           host=torch.cat([covered.long(), bounds], 1))
 
 
 def point_mass_logp(drafts: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -373,13 +373,22 @@ def chain_round(source, step, pending: torch.Tensor, blocks: torch.Tensor, carry
     positions = draft_positions(source, step, n, dev)
     logits = source.logits(step, pending, blocks, n, carry, positions)
     drafts, draft_logp = sample_drafts(step, logits)
+    emitted, n_emitted, accepted, new = verify_chain(source, step, pending, drafts, blocks, carry,
+                                                     positions, draft_logp)
+    return RoundOutput(emitted, n_emitted, accepted, *draft_stats(logits, drafts), carry=new)
+
+
+def verify_chain(source, step, pending, drafts, blocks, carry, positions, draft_logp):
+    """The chain `[seed, d1 .. d(n-1)]` verified causally, accepted, and committed by length:
+    (emitted, n_emitted, accepted, the drafter's new carried state). drafts [S, n] aligned;
+    draft_logp: the drafts' law q (None under greedy)."""
+    n, dev = drafts.shape[1], drafts.device
     verify_ids = torch.cat([pending[:, None], drafts[:, : n - 1]], dim=1)
     target_logits, hidden = source.verify(step, verify_ids, causal_block(n, dev))
     emitted, n_emitted, accepted = accept_chain(drafts, target_logits, blocks, step.sampler, draft_logp)
     # The committed inputs this round: the seed and the accepted drafts (n_emitted of them).
     committed = torch.arange(n, device=dev)[None, :] < n_emitted[:, None]
-    new = source.commit(carry, hidden, positions, committed)
-    return RoundOutput(emitted, n_emitted, accepted, *draft_stats(logits, drafts), carry=new)
+    return emitted, n_emitted, accepted, source.commit(carry, hidden, positions, committed)
 
 
 class DrafterChoice:
