@@ -63,9 +63,12 @@ _CPP = r"""
 #include <ATen/cpu/vec/vec.h>
 #endif
 #ifndef FASTSPEC_NO_TORCH
-#include <ATen/ATen.h>
+// The few ATen headers the ops use, not <ATen/ATen.h> (every op's declaration): the first use
+// on a machine builds this source, and headers were most of that build's time.
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
-#include <ATen/TensorIndexing.h>
 #include <torch/library.h>
 #endif
 #include <cmath>
@@ -852,8 +855,13 @@ int64_t set_prefetch(int64_t weight, int64_t multi, int64_t mode) {
 // cache[layer][rows, :, cols] = value, in place (rows/cols broadcast like advanced indexing).
 void kv_write_(at::Tensor& cache, int64_t layer, const at::Tensor& rows, const at::Tensor& cols,
                const at::Tensor& value) {
-  using at::indexing::Slice;
-  cache.select(0, layer).index_put_({rows, Slice(), cols}, value.to(cache.scalar_type()));
+  // [rows, None, cols]: what `cache[layer][rows, :, cols] = value` indexes with
+  c10::List<std::optional<at::Tensor>> index;
+  index.reserve(3);
+  index.push_back(rows);
+  index.push_back(std::nullopt);
+  index.push_back(cols);
+  cache.select(0, layer).index_put_(index, value.to(cache.scalar_type()));
 }
 #endif
 
@@ -1058,14 +1066,22 @@ def build(source: str, isa: str, ns: str, prefix: str = "fastspec_skinny") -> No
     """Compile (once; cached on disk by a digest of source, flags and torch) and load a kernel
     source for `isa` whose ops register under torch.ops.<ns>. `load` builds `_CPP`; an A/B tool
     builds another revision's source under its own namespace beside it (graphs/attn_ab.py)."""
-    from torch.utils.cpp_extension import load_inline
+    from torch.utils.cpp_extension import load as load_extension
 
     cflags = _cflags(isa, ns)
     name = f"{prefix}_{isa}_{_build_digest(source, cflags)}"
     directory = os.path.join(_build_dir(), name)
     os.makedirs(directory, exist_ok=True)
-    load_inline(name=name, cpp_sources=[source], functions=None, build_directory=directory,
-                extra_cflags=cflags, extra_ldflags=list(_OPENMP), is_python_module=False, verbose=False)
+    # The source as it is: load_inline would put <torch/extension.h> (all of torch's C++ API
+    # and pybind11) in front of it, for Python bindings these ops (TORCH_LIBRARY) do not use.
+    path = os.path.join(directory, "kernel.cpp")
+    if not os.path.exists(path) or open(path).read() != source:
+        tmp = f"{path}.{os.getpid()}"            # whole or not at all: another process may build too
+        with open(tmp, "w") as f:
+            f.write(source)
+        os.replace(tmp, path)
+    load_extension(name=name, sources=[path], build_directory=directory, extra_cflags=cflags,
+                   extra_ldflags=list(_OPENMP), is_python_module=False, verbose=False)
 
 
 @functools.cache

@@ -155,6 +155,43 @@ def test_kernel_refuses_mismatched_panels():
 
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
+def test_kv_write_writes_what_the_indexed_assignment_writes(isa):
+    """The op a compiled step writes new K/V with: `cache[layer][rows, :, cols] = value`, rows
+    [S, 1] and cols [S, n] broadcast against each other (a slot's new columns), in place."""
+    k = kernels.load(isa)
+    g = torch.Generator().manual_seed(7)
+    cache = torch.randn(3, 5, 2, 12, 4, generator=g)         # [layers, slots, heads, len, dim]
+    rows = torch.tensor([[3], [0], [4]])
+    cols = torch.tensor([[2, 3], [7, 8], [0, 1]])
+    value = torch.randn(3, 2, 2, 4, generator=g, dtype=torch.float64)   # cast to the cache's dtype
+    want = cache.clone()
+    want[1][rows, :, cols] = value.float()
+    address = cache.data_ptr()
+    k.ops.kv_write_(cache, 1, rows, cols, value)
+    assert cache.data_ptr() == address and torch.equal(cache, want)
+
+
+def test_the_kernel_source_builds_without_torch_extension_h(tmp_path, monkeypatch):
+    """The first use on a machine builds the kernel: only the ATen headers its ops use go in (the
+    whole of torch's C++ API and pybind11 tripled the build, ~30 s -> ~10 s on 2 cores)."""
+    import torch.utils.cpp_extension as ext
+    seen = {}
+
+    def fake_load(name, sources, **kw):
+        seen.update(name=name, text=open(sources[0]).read(), **kw)
+
+    monkeypatch.setattr(ext, "load", fake_load)
+    monkeypatch.setattr(kernels, "_build_dir", lambda: str(tmp_path))
+    kernels.build("// a source\n", "avx2", "fastspec_test_ns")
+    assert seen["text"] == "// a source\n" and not seen["is_python_module"]
+    assert "-DFASTSPEC_NS=fastspec_test_ns" in seen["extra_cflags"]
+    includes = [line.split()[1] for line in kernels._CPP.splitlines() if line.startswith("#include")]
+    assert "<torch/library.h>" in includes
+    assert "<torch/extension.h>" not in includes and "<ATen/ATen.h>" not in includes
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
 def test_cache_attention_equals_sdpa_over_the_gathered_slots(isa):
     """The kernel's attention reads each row's slot of the cache in place and gives what SDPA
     gives over the gathered K/V (fastspec/model/llama.py attend_cache): grouped heads, head dims
