@@ -272,6 +272,7 @@ class Engine:
         self.last_rounds: list = []
         # Measured ms of each method's steps: {method key: {(rows, width, variant): EMA ms}}.
         self.step_ms: dict[str, dict[tuple[int, int, str], float]] = {}
+        self.round_steps_ms = 0.0           # the current round's timed steps (Method.timed_round)
         self._round_fns: dict[tuple, Callable] = {}
         self._forward_cost = None
 
@@ -621,6 +622,7 @@ class Engine:
             torch.cuda.synchronize(self.device)
         if meth.timed and self.runner.total_compiles() == compiles:
             ms = (time.perf_counter() - t0) * 1e3
+            self.round_steps_ms += ms
             times = self.step_ms.setdefault(meth.timing_name(), {})
             old = times.get((rows, width, plan.variant))
             times[(rows, width, plan.variant)] = ms if old is None else 0.8 * old + 0.2 * ms
@@ -735,7 +737,8 @@ class Engine:
                     commit(s, [tok], 0, tick)
             if not sched.running:
                 continue
-            t0 = time.perf_counter()
+            t0, compiles0 = time.perf_counter(), self.runner.total_compiles()
+            self.round_steps_ms = 0.0
             # The method's planner gives each request its next round; equal plans run together.
             groups: dict[Plan, list[Sequence]] = {}
             running = list(sched.running.values())
@@ -779,6 +782,9 @@ class Engine:
                     seq.forwards += f
                     kept = commit(seq, r[:n_emitted], n_drafted, tick)
                     seq.accept_lengths.append(kept)
+            if meth.timed and self.runner.total_compiles() == compiles0:
+                # What the round cost beyond its steps: planning, the host read, commits.
+                meth.timed_round((time.perf_counter() - t0) * 1e3 - self.round_steps_ms)
         stats.wall_s = time.perf_counter() - t_start
         # Steps compiled mid-run (a new bucket as requests drain) are warm-up, not decoding.
         lazy_s = self.runner.total_compile_s() - compile_s_before

@@ -2,6 +2,7 @@
 length every round; the verify width follows, and the output is still exactly AR's."""
 import random
 from collections import Counter
+import time
 from fractions import Fraction
 
 import pytest
@@ -515,3 +516,28 @@ def test_a_timed_run_prices_the_steps_it_ran(drafter):
     steps = m.report()["profile_check"]["steps"]
     assert steps and all(s["measured"] > 0 for s in steps.values()), steps
     assert set(m.clock.measured) == set(engine.step_ms[m.timing_name()])
+
+
+def test_a_timed_run_learns_the_host_time_each_round_adds_to_its_step(drafter, monkeypatch):
+    """The engine hands a timed method each round's time outside its steps; the clock prices
+    a round as its step plus that. A planner made 5 ms slower adds about 5 ms a round."""
+    ps = random_token_prompts(2, seed=8)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    overheads = []
+    for delay in (0.0, 0.005):
+        engine = Engine(drafter, backend="eager")
+        m = LibraSpec(block=4)
+        plan_round = m.plan_round
+
+        def slow_plan(seqs, plan_round=plan_round, delay=delay):
+            time.sleep(delay)
+            return plan_round(seqs)
+        monkeypatch.setattr(m, "plan_round", slow_plan)
+        engine.generate(ps, params, method=m, concurrency=2)
+        assert m.clock.overhead_n > 0 and m.clock.overhead > 0
+        assert m.clock.time(2, 4, "") > m.clock.overhead
+        overheads.append(m.clock.overhead)
+    assert overheads[1] - overheads[0] == pytest.approx(5.0, abs=2.5), overheads
+    untimed = LibraSpec(block=4, prices="profile")
+    Engine(drafter, backend="eager").generate(ps, params, method=untimed, concurrency=2)
+    assert untimed.clock.overhead_n == 0               # prices=profile: plans stay deterministic

@@ -50,3 +50,22 @@ def test_a_step_first_read_slow_is_priced_at_its_fast_readings():
     clock.timed(1, 1, "ar", 25.0)                              # profile 11, read slow
     clock.timed(1, 1, "ar", 12.0)
     assert clock.time(1, 1, "ar") == pytest.approx(12.0, rel=0.05)
+
+
+def test_a_round_costs_its_step_plus_the_host_time_per_round():
+    """An AR step of 16 ms and a drafting step of 47 ms, 4 ms of host work a round: the rounds
+    cost 20 and 51 ms, so a drafting round pays from 2.55 tokens on, not from 2.94 (steps alone)."""
+    clock = StepClock(profile)
+    clock.timed(1, 1, "ar", 16.0)
+    clock.timed(1, 8, "", 47.0)
+    assert clock.time(1, 8, "") / clock.time(1, 1, "ar") == pytest.approx(47 / 16)
+    clock.round_overhead(4.0)
+    assert clock.time(1, 1, "ar") == pytest.approx(20.0, rel=0.02)
+    assert clock.ms(1, 8, "") == pytest.approx(51.0, rel=0.02)
+    assert clock.time(1, 4, "") > clock.overhead                 # not run: profile-priced, plus it
+    for _ in range(40):                                          # a moving average of the rounds
+        clock.round_overhead(2.0)
+    assert clock.overhead == pytest.approx(2.0, abs=0.05)
+    clock.round_overhead(-1.0)                                   # timer noise never gives a credit
+    assert clock.overhead >= 0.9 * 2.0
+    assert clock.check()["round_overhead_ms"] == pytest.approx(clock.overhead, abs=1e-3)

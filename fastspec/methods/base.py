@@ -151,6 +151,12 @@ class Method:
         if self.timed and self.clock is not None:
             self.clock.timed(rows, width, variant, ms)
 
+    def timed_round(self, overhead_ms: float) -> None:
+        """A round of this method just ran with `overhead_ms` of host time outside its steps
+        (timed methods only; rounds that compiled a step excluded)."""
+        if self.timed and self.clock is not None:
+            self.clock.round_overhead(overhead_ms)
+
     def begin(self, run: "RunInfo") -> None:
         """Called once before a run's first round (host side)."""
 

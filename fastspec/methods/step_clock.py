@@ -23,12 +23,19 @@ at the moments each was last measured:
 and the shape slowly, so most of it goes to the level.) A step that has not run yet is priced at
 the profile times the mean shape of the steps of its (rows, width) that did run, else of all:
 a profile taken at another thread count is off by about one common factor.
+
+A round costs more than its step: the engine plans it, reads its results once and commits them
+on the host (`round_overhead`, measured by the engine for timed methods, a moving average).
+Pricing steps alone undercharges the cheapest round, AR's, the most. `time` and `ms` price a
+round: the step plus that overhead. It is small with the compiled CPU steps: 0.5-1.0 ms a round
+at C = 1 and 4 on Zen 4 (2-5% of an AR round; results/round_overhead_c14_zen4_1207.json).
 """
 from __future__ import annotations
 
 from typing import Callable
 
 LEVEL_RATE, SHAPE_RATE = 0.3, 0.05
+OVERHEAD_RATE = 0.1     # the host time per round's moving average weighs a new round 1/10
 FIRST_SAMPLES = 3       # a step's shape is the least of its first samples, then a slow average
 
 StepKey = tuple[int, int, str]          # (rows, width, variant)
@@ -44,6 +51,15 @@ class StepClock:
         self.level = sorted(ratios.values())[len(ratios) // 2] if ratios else None
         self.shape = {key: f / self.level for key, f in ratios.items()}
         self.shape_n = {key: 1 for key in self.shape}
+        self.overhead: float = 0.0               # ms of host work per round (round_overhead)
+        self.overhead_n = 0
+
+    def round_overhead(self, ms: float) -> None:
+        """One round's host time outside its steps (planning, the host read, commits): a moving
+        average, the first rounds' readings taken as they come."""
+        ms = max(ms, 0.0)
+        self.overhead_n += 1
+        self.overhead = ms if self.overhead_n == 1 else (1 - OVERHEAD_RATE) * self.overhead + OVERHEAD_RATE * ms
 
     def timed(self, rows: int, width: int, variant: str, ms: float) -> None:
         """One measured step. A step's first measurement gives its shape at the current level
@@ -78,17 +94,20 @@ class StepClock:
         return sum(same) / len(same) if same else 1.0
 
     def ms(self, rows: int, width: int, variant: str) -> float | None:
-        """A measured step's time at the machine's current level (None: never measured)."""
+        """A round of a measured step: the step's time at the machine's current level plus the
+        host time per round (None: never measured)."""
         f = self.shape.get((rows, width, variant))
-        return None if f is None else self.estimate(rows, width, variant) * f * self.level
+        return None if f is None else self.estimate(rows, width, variant) * f * self.level + self.overhead
 
     def time(self, rows: int, width: int, variant: str) -> float:
-        """A step's time: as measured once it has run, else the profile's estimate times the
-        mean shape of the steps run (`mean_shape`), at the machine's current level."""
+        """A round's time: its step as measured once it has run, else the profile's estimate
+        times the mean shape of the steps run (`mean_shape`), at the machine's current level;
+        plus the host time per round."""
         ms = self.ms(rows, width, variant)
         if ms is not None:
             return ms
-        return self.estimate(rows, width, variant) * self.mean_shape(rows, width) * (self.level or 1.0)
+        step = self.estimate(rows, width, variant) * self.mean_shape(rows, width) * (self.level or 1.0)
+        return step + self.overhead
 
     def check(self) -> dict:
         """Profile estimate vs measured time of every step timed, and the mean absolute relative
@@ -106,4 +125,4 @@ class StepClock:
         def mean(col: str) -> float | None:
             return round(sum(abs(x[col]) for x in rows.values()) / len(rows), 4) if rows else None
         return {"steps": rows, "mean_abs_error": mean("error"), "level": round(level, 4),
-                "mean_abs_error_at_level": mean("at_level")}
+                "mean_abs_error_at_level": mean("at_level"), "round_overhead_ms": round(self.overhead, 3)}
