@@ -541,3 +541,18 @@ def test_a_timed_run_learns_the_host_time_each_round_adds_to_its_step(drafter, m
     untimed = LibraSpec(block=4, prices="profile")
     Engine(drafter, backend="eager").generate(ps, params, method=untimed, concurrency=2)
     assert untimed.clock.overhead_n == 0               # prices=profile: plans stay deterministic
+
+
+def test_a_request_drafting_beside_ar_rows_is_priced_at_the_batchs_rows():
+    """C=4, the others in AR rounds: this request's last drafting round ran alone in a 1-row step.
+    At 1 row its 3 tokens for 30 ms beat AR's 1 for 15 ms; at the batch's 4 rows (90 ms against
+    AR's 20) they do not, and that is what its drafting costs the round. It goes AR."""
+    from fastspec.methods.ar_rounds import HISTORY
+    m = LibraSpec(block=4, blocks=(1, 4), prices="profile")
+    # one forward: 15 ms at 1 row, 20 (1 token) or 45 (more) at 4 rows; a round is two of them
+    m.begin(RunInfo(4, 4, set(), {}, lambda r, t: 15.0 if r == 1 else 20.0 if t == 1 else 45.0))
+    assert m.price(1, 4) == 30.0 and m.price(4, 4) == 90.0 and m.price(4, 1) == 20.0
+    seq = PlanSeq(4)
+    seq.host, seq.accept_lengths = [3, 1, 1], [3]             # γ 3, uncapped, ran at 1 row
+    plans = [m.plan(seq).block for _ in range(HISTORY)]
+    assert plans[-1] == 1, plans

@@ -241,8 +241,13 @@ class LibraSpec(DrafterChoice, LinearSS):
         drafted = bool(h) and seq.block != AR_BLOCK
         wanted = self.width_for(h[H_GAMMA], bool(h[H_CAPPED])) if drafted else None   # the rule's
         if self.ar:
+            # AR or drafting is priced at the batch's rows, as BASTION and D²SD price it: a
+            # request drafting alone beside the run's AR rows costs the round a step of its own,
+            # not a 1-row round against a 1-row AR round (C=4: 90% AR rounds and 0.86x AR priced
+            # at the step's rows, results/round_overhead_c14_zen4_1207.json).
+            full = self.run.rows
             width = self.switch.next_block(seq, self.block, wanted,
-                                           lambda w: self.price(rows, w), self.look_pays(rows), self.widths)
+                                           lambda w: self.price(full, w), self.look_pays(full), self.widths)
         else:
             width = wanted or seq.block or self.block
         if drafted or (h and width == AR_BLOCK):    # the rule's γ, or γ = 0 before an AR round
