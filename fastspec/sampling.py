@@ -173,8 +173,13 @@ def filtered_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
         x = x.masked_fill((x < kth) | (x < pth), float("-inf"))
     logp = x.log_softmax(-1)
     greedy = (temperature == 0).view(shape)
-    onehot = torch.full_like(logp, float("-inf")).scatter_(-1, logits.argmax(-1, keepdim=True), 0.0)
-    return torch.where(greedy, onehot, logp)
+    return torch.where(greedy, point_mass_logp(logits.argmax(-1), logp), logp)
+
+
+def point_mass_logp(tokens: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """[..., V] log-probs of a law that puts all its mass on `tokens` [...]: 0 there, -inf elsewhere
+    (a greedy row's law; a deterministic drafter's q)."""
+    return torch.full_like(like, float("-inf")).scatter_(-1, tokens[..., None], 0.0)
 
 
 def sample_tokens(logits: torch.Tensor, state: SamplerState, slots: torch.Tensor | None = None,

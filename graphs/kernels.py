@@ -45,6 +45,7 @@ import os
 import platform
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -1075,7 +1076,7 @@ def build(source: str, isa: str, ns: str, prefix: str = "fastspec_skinny") -> No
     # The source as it is: load_inline would put <torch/extension.h> (all of torch's C++ API
     # and pybind11) in front of it, for Python bindings these ops (TORCH_LIBRARY) do not use.
     path = os.path.join(directory, "kernel.cpp")
-    if not os.path.exists(path) or open(path).read() != source:
+    if not os.path.exists(path) or Path(path).read_text() != source:
         tmp = f"{path}.{os.getpid()}"            # whole or not at all: another process may build too
         with open(tmp, "w") as f:
             f.write(source)

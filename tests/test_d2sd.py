@@ -8,11 +8,11 @@ import torch
 from conftest import random_token_prompts, tiny_drafter
 from fastspec.convention import FASTSPEC, NLD
 from fastspec.engine import Engine
-from fastspec.methods.d2sd import D2SD, assemble_tree, covered_boundaries, point_mass_logp
+from fastspec.methods.d2sd import D2SD, assemble_tree, covered_boundaries
 from fastspec.methods.linear import LinearSS
 from fastspec.methods.drafter import exact_first_draft
 from fastspec.tree import tree_mask
-from fastspec.sampling import SamplerState, SamplingParams
+from fastspec.sampling import SamplerState, SamplingParams, point_mass_logp
 from fastspec.verify import accept_chain
 
 

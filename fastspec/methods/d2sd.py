@@ -55,6 +55,7 @@ from fastspec.methods.drafter import (DrafterChoice, commit_path, draft_position
                                      draft_stats_and_alternatives, make_drafter, verify_chain)
 from fastspec.methods.linear import BLOCK_SIZES, LinearSS
 from fastspec.methods.step_clock import StepClock
+from fastspec.sampling import point_mass_logp
 from fastspec.tree import tree_mask
 from fastspec.verify import accept_tree
 
@@ -320,11 +321,6 @@ class D2SD(DrafterChoice, LinearSS):
         covered = covered_boundaries(emitted, n_emitted, drafts, alt, all_bounds)
         return RoundOutput(emitted, n_emitted, accepted, prob, conf, margin, carry=new,
                            commit_cols=path, host=torch.cat([covered.long(), all_bounds], 1))
-
-
-def point_mass_logp(drafts: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """[S, n, V] log-probs of a deterministic drafter: 0 at each draft, -inf elsewhere."""
-    return torch.full_like(like, float("-inf")).scatter(-1, drafts[..., None], 0.0)
 
 
 def covered_boundaries(emitted: torch.Tensor, n_emitted: torch.Tensor, drafts: torch.Tensor,
