@@ -39,6 +39,7 @@ warning line says why and what it costs, once per process; `kernel_path()` names
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -1081,8 +1082,32 @@ def build(source: str, isa: str, ns: str, prefix: str = "fastspec_skinny") -> No
         with open(tmp, "w") as f:
             f.write(source)
         os.replace(tmp, path)
-    load_extension(name=name, sources=[path], build_directory=directory, extra_cflags=cflags,
-                   extra_ldflags=list(_OPENMP), is_python_module=False, verbose=False)
+    with _builder_lock(directory):
+        load_extension(name=name, sources=[path], build_directory=directory, extra_cflags=cflags,
+                       extra_ldflags=list(_OPENMP), is_python_module=False, verbose=False)
+
+
+@contextlib.contextmanager
+def _builder_lock(directory: str):
+    """One builder of a kernel directory at a time, and none hung by a dead one. torch's build
+    waits for as long as a `lock` file sits in the directory (its FileBaton); a build killed
+    midway (Ctrl-C, the OOM killer) leaves that file behind, and every later run then hung
+    silently before its first token. An flock dies with its process: whoever holds it is the
+    only live builder, so a baton file found under it is a dead one's."""
+    try:
+        import fcntl
+    except ImportError:              # not POSIX: torch's baton alone
+        yield
+        return
+    with open(os.path.join(directory, "build.flock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            baton = os.path.join(directory, "lock")
+            if os.path.exists(baton):
+                os.remove(baton)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @functools.cache

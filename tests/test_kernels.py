@@ -190,6 +190,25 @@ def test_the_kernel_source_builds_without_torch_extension_h(tmp_path, monkeypatc
     assert "<torch/extension.h>" not in includes and "<ATen/ATen.h>" not in includes
 
 
+def test_a_build_killed_midway_does_not_hang_the_next_one(tmp_path, monkeypatch):
+    """torch's extension build waits for as long as a `lock` file sits in its directory; a build
+    killed midway leaves one behind. The next build, holding the builders' flock, knows that
+    file is a dead builder's and removes it before torch looks."""
+    import torch.utils.cpp_extension as ext
+    seen = []
+
+    def fake_load(name, sources, build_directory, **kw):
+        seen.append(os.path.exists(os.path.join(build_directory, "lock")))
+
+    monkeypatch.setattr(ext, "load", fake_load)
+    monkeypatch.setattr(kernels, "_build_dir", lambda: str(tmp_path))
+    kernels.build("// a source\n", "avx2", "fastspec_test_ns")
+    (directory,) = [d for d in tmp_path.iterdir() if d.is_dir()]
+    (directory / "lock").write_text("")                 # what a killed build leaves
+    kernels.build("// a source\n", "avx2", "fastspec_test_ns")
+    assert seen == [False, False]
+
+
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
 def test_cache_attention_equals_sdpa_over_the_gathered_slots(isa):
