@@ -5,18 +5,51 @@ from types import SimpleNamespace
 import pytest
 
 from fastspec.methods.ar_rounds import (AR_MARGIN, EXPLORE, EXPLORE_MAX, HISTORY, RATE_MEMORY,
-                                        ARSwitch, perfect_draft_pays)
+                                        ARSwitch, DraftMeans, draft_could_pay)
 
 
 def request(block=8):
     return SimpleNamespace(block=block, state={})
 
 
-def test_a_perfect_draft_pays_at_low_load_and_not_under_load():
+def test_a_draft_could_pay_at_low_load_and_not_under_load():
     # The module's examples: the Zen 4 profile at C = 1 and C = 8.
-    assert perfect_draft_pays([(4, 33.0), (8, 48.0)], 16.0)
-    assert not perfect_draft_pays([(4, 139.0), (8, 261.0)], 30.0)
-    assert not perfect_draft_pays([(4, 40.0)], 10.0)         # a tie is not a gain
+    assert draft_could_pay([(4, 33.0), (8, 48.0)], 16.0)
+    assert not draft_could_pay([(4, 139.0), (8, 261.0)], 30.0)
+    assert not draft_could_pay([(4, 40.0)], 10.0)         # a tie is not a gain
+
+
+def test_a_look_pays_only_where_the_runs_best_request_could_beat_ar():
+    """C=4 on Zen 4: a B=8 round 116 ms, an AR round 21. A perfect draft (8 tokens) would pay,
+    so before any request is judged a look goes ahead; once the best request of the run has
+    averaged 4.9 tokens a round, no look can (4.9 / 116 < 1 / 21). A block the best request
+    fills anyway counts its own tokens (min(4, 4.9))."""
+    assert draft_could_pay([(8, 116.0)], 21.0)
+    assert draft_could_pay([(8, 116.0)], 21.0, best=None)
+    assert not draft_could_pay([(8, 116.0)], 21.0, best=4.9)
+    assert draft_could_pay([(8, 116.0)], 21.0, best=5.6)
+    assert draft_could_pay([(4, 70.0), (8, 116.0)], 21.0, best=4.9)          # B=4: 4 / 70 > 1 / 21
+    assert not draft_could_pay([(4, 90.0), (8, 116.0)], 21.0, best=4.9)      # 4 / 90 < 1 / 21
+
+
+def test_the_best_drafting_is_the_highest_current_mean_of_the_requests_judged():
+    """Each request's mean tokens per drafting round counts once it has HISTORY rounds; the
+    best is the highest of the current means: a request that starts 8, 8, 5 (7.0) and then
+    drafts 5, 3, 3, 4, 3 (4.9) counts 4.9, not its early 7.0."""
+    means = DraftMeans()
+    a, b = {}, {}
+    for t in (8, 8)[:HISTORY - 1]:
+        means.add(a, t)
+    assert means.best is None
+    for t in (8, 8, 5, 5, 3, 3, 4, 3)[HISTORY - 1:]:
+        means.add(a, t)
+    assert means.best == pytest.approx(39 / 8)
+    for t in (2, 3, 4):
+        means.add(b, t)
+    assert means.best == pytest.approx(39 / 8)
+    for t in (9, 9, 9, 9):
+        means.add(b, t)
+    assert means.best == pytest.approx(45 / 7)
 
 
 def test_the_drafting_rate_is_a_moving_average_judged_after_history_rounds():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import random_token_prompts, tiny_drafter
+from helpers import look_as_if_perfect
 from fastspec.engine import Engine
 from fastspec.methods.bastion import BASTION, BUDGETS, H_NODES, H_WANTED
 from fastspec.sampling import SamplingParams
@@ -185,6 +186,10 @@ def test_the_planner_takes_ar_rounds_and_looks_again_at_its_last_budget():
     m = BASTION(block=16)
     m.begin(SimpleNamespace(rows=1, forward_ms=lambda rows, n: 10.0 + n))    # a perfect tree pays
     assert m.look_pays() and m.cost_table(1, 8)[8] == 36.0
+    good = SimpleNamespace(state={})            # another request of the run: 5 tokens a tree
+    for _ in range(HISTORY):
+        m.switch.record(good, 5, 36.0)
+    assert m.look_pays()                        # 5 / 36 > 1 / 11 (2 / 36 would not be)
     seq = SimpleNamespace(host=[5, 8], block=8, accept_lengths=[2], state={})
     plans = []
     for _ in range(EXPLORE + 2 * HISTORY):
@@ -218,9 +223,11 @@ def test_where_drafting_does_not_pay_bastion_takes_ar_rounds_and_still_equals_ar
         engine._forward_cost = saved
 
 
-def test_a_run_mixes_ar_rounds_and_trees_and_still_equals_ar(engine):
+def test_a_run_mixes_ar_rounds_and_trees_and_still_equals_ar(engine, monkeypatch):
     """T = 10 + 3·tokens: trees rarely beat AR's 13 ms, a perfect one would; requests switch
-    between AR rounds and trees (and the accepted paths' K/V compaction), output AR's."""
+    between AR rounds and trees (and the accepted paths' K/V compaction), output AR's. (Looks
+    judged as if every draft were accepted: `look_as_if_perfect`.)"""
+    look_as_if_perfect(monkeypatch)
     prompts = random_token_prompts(6, seed=60)
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
     ar = engine.generate(prompts, params, concurrency=3)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import random_token_prompts, tiny_drafter
+from helpers import look_as_if_perfect
 from fastspec.convention import FASTSPEC, NLD
 from fastspec.engine import Engine
 from fastspec.methods.d2sd import D2SD, assemble_tree, covered_boundaries
@@ -206,9 +207,11 @@ def test_where_drafting_does_not_pay_d2sd_takes_ar_rounds_and_still_equals_ar(co
         assert set(c.accept_lengths) == {1} and c.forwards == 1 + len(c.accept_lengths)
 
 
-def test_a_d2sd_run_mixes_ar_and_chain_rounds_and_still_equals_ar():
+def test_a_d2sd_run_mixes_ar_and_chain_rounds_and_still_equals_ar(monkeypatch):
     """T = 10 + 3·tokens: a chain round (~60 ms) rarely beats AR's 13 ms, a perfect one would;
-    requests switch between AR rounds and drafting rounds and the output is AR's."""
+    requests switch between AR rounds and drafting rounds and the output is AR's. (Looks judged
+    as if every draft were accepted: `look_as_if_perfect`.)"""
+    look_as_if_perfect(monkeypatch)
     engine = Engine(tiny_drafter(), backend="eager")
     prompts = random_token_prompts(6, seed=61)
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)

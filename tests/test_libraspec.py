@@ -16,7 +16,7 @@ from fastspec.methods.base import Plan, RunInfo
 from fastspec.methods.libraspec import (H_CAPPED, H_GAMMA, H_ROWS, LibraSpec, choose_lengths,
                                         stop_length)
 from fastspec.sampling import SamplerState, SamplingParams
-from helpers import copy_model, null_quantile, tv
+from helpers import copy_model, look_as_if_perfect, null_quantile, tv
 
 # T(γ) = forward_ms(rows, γ + 1) of the shipped CPU profile of SmolLM2-135M, γ = 0..8.
 T_ROWS1 = [19.69, 19.70, 19.71, 19.72, 19.73, 19.73, 19.90, 20.73, 21.56]
@@ -387,11 +387,16 @@ def test_the_planner_takes_ar_rounds_and_looks_again_every_explore_rounds():
     once HISTORY of them came in (γ = 0 in the report); after EXPLORE AR rounds it looks: HISTORY
     drafting rounds
     at the width its last drafting round chose; they find AR again, and the next wait is twice
-    as long."""
+    as long. (Another request of the run drafts 4 tokens a round: a look can pay, 4 / 28 > 1 / 11.
+    Were 2 tokens a round the run's best, none could, 2 / 24 < 1 / 11: no look, below.)"""
     from fastspec.methods.ar_rounds import EXPLORE, HISTORY
     m = LibraSpec(block=8)
     m.begin(RunInfo(1, 1, set(), {}, lambda r, t: 10.0 + t))        # a perfect draft pays
     assert m.look_pays() and m.round_ms(4, 1) == 28.0
+    good = PlanSeq(4)
+    for _ in range(HISTORY):
+        m.switch.record(good, 4, 28.0)
+    assert m.switch.best == 4 and m.look_pays()
     seq = PlanSeq(4)
     seq.host, seq.accept_lengths = [3, 0, 1], [2]
     plans = []
@@ -409,6 +414,19 @@ def test_the_planner_takes_ar_rounds_and_looks_again_every_explore_rounds():
     assert plans[first] == (4, "")                          # at the last drafting width
     rep = m.report()
     assert rep["looks"] == 2 and rep["gamma_share"][0] > 0.8 and rep["ar_share"] > 0.8, rep
+
+    alone = LibraSpec(block=8)                              # the same request, alone in its run
+    alone.begin(RunInfo(1, 1, set(), {}, lambda r, t: 10.0 + t))
+    seq = PlanSeq(4)
+    seq.host, seq.accept_lengths = [3, 0, 1], [2]
+    plans = []
+    for _ in range(HISTORY + 3 * EXPLORE):
+        p = alone.plan(seq)
+        plans.append(p.variant)
+        seq.block = p.block
+        seq.host, seq.accept_lengths[-1] = ([0, 0, 0], 1) if p.variant == "ar" else ([3, 0, 1], 2)
+    assert alone.switch.best == 2 and not alone.look_pays()
+    assert plans == [""] * (HISTORY - 1) + ["ar"] * (3 * EXPLORE + 1)
 
     dear = LibraSpec(block=8)
     dear.begin(RunInfo(8, 8, set(), {}, lambda r, t: 10.0 * r * t))   # never, even perfect
@@ -448,24 +466,32 @@ def test_where_drafting_does_not_pay_libraspec_takes_ar_rounds_and_still_equals_
     assert m.report()["ar_share"] == 0.0 and m.report()["mean_gamma"] > 2, m.report()
 
 
-def test_a_run_mixes_ar_and_drafting_rounds_and_still_equals_ar(drafter):
+def test_a_run_mixes_ar_and_drafting_rounds_and_still_equals_ar(drafter, monkeypatch):
     """T = 10 + 3·tokens: a random drafter's rounds rarely beat AR's 13 ms, a perfect one would
     (4 tokens for 44 ms): requests switch between AR rounds and looks at their drafts, requests
-    admitted later start with AR rounds as the run mostly does, and the output is AR's."""
+    admitted later start with AR rounds as the run mostly does, and the output is AR's. (Looks
+    are judged as if no request had drafted yet, every draft accepted: this drafter's best, 2
+    tokens a round, could never pay, and without that the run stops looking, as it should.)"""
     engine = Engine(drafter, backend="eager")
     ps = random_token_prompts(8, seed=50)
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
     ar = engine.generate(ps, params, method="ar", concurrency=3)
     engine._forward_cost = lambda rows, tokens: 10.0 + 3.0 * tokens
-    m = LibraSpec(block=4, blocks=(1, 4, 8), prices="profile")
-    out = engine.generate(ps, params, method=m, concurrency=3)
-    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
-    rep = m.report()
-    assert m.look_pays() and rep["looks"] >= 3 and 0.5 < rep["ar_share"] < 1.0, rep
+    with monkeypatch.context() as patch:
+        look_as_if_perfect(patch)
+        m = LibraSpec(block=4, blocks=(1, 4, 8), prices="profile")
+        out = engine.generate(ps, params, method=m, concurrency=3)
+        assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+        rep = m.report()
+        assert m.look_pays() and rep["looks"] >= 3 and 0.5 < rep["ar_share"] < 1.0, rep
     # The first requests drafted in their first round (>= 2 tokens: d1 is exact), later ones
     # started with an AR round (1 token).
     assert all(c.accept_lengths[0] >= 2 for c in out[:3])
     assert any(c.accept_lengths[0] == 1 for c in out[3:])
+    m = LibraSpec(block=4, blocks=(1, 4, 8), prices="profile")
+    out = engine.generate(ps, params, method=m, concurrency=3)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    assert m.switch.best == 2 and not m.look_pays() and m.report()["looks"] == 0
 
 
 def test_a_request_that_started_with_ar_rounds_looks_at_the_start_width():

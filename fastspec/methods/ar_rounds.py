@@ -17,8 +17,9 @@ round, as a server turns speculation off by batch size:
                              marginals, for one, under-state acceptance by half on this model)
     after an AR round        AR again; after EXPLORE AR rounds in a row the request drafts
                              HISTORY rounds (at its last drafting width) to look at its drafts
-                             again, but only where a perfect draft could beat AR at all
-                             (`perfect_draft_pays`): a look that cannot pay would only add a
+                             again, but only where a draft as good as the run's best
+                             request's so far (before any: a perfect one) could beat AR
+                             (`draft_could_pay`): a look that cannot pay would only add a
                              step to everyone's round. Each look that finds AR again doubles
                              the run's wait before the next (`ARSwitch`)
 
@@ -70,14 +71,44 @@ def ar_round(source, step, pending: torch.Tensor, carry: dict, host_columns: int
                        carry=new, host=host)
 
 
-def perfect_draft_pays(rounds: Iterable[tuple[int, float]], ar_ms: float) -> bool:
-    """Could any drafting round beat AR if every draft were accepted? rounds: (tokens a perfect
-    round commits, ms of that round) for each drafting plan; ar_ms: one AR round.
+def draft_could_pay(rounds: Iterable[tuple[int, float]], ar_ms: float,
+                    best: float | None = None) -> bool:
+    """Could any drafting round beat AR if its request drafted as well as the best the run has
+    seen? rounds: (tokens a perfect round commits, ms of that round) for each drafting plan;
+    ar_ms: one AR round; best: the most tokens per drafting round any request of the run has
+    averaged (`ARSwitch.best`; None before one was judged: every draft accepted).
 
         C=1 (CPU): [(4, 33), (8, 48)], AR 16   -> 4/33 = .12 > 1/16 = .063: a look may pay
         C=8 (CPU): [(4, 139), (8, 261)], AR 30 -> .029, .031 < .033: never
+        C=4 (CPU): [(8, 116)], AR 21: a perfect draft, 8/116 = .069 > .048, may pay; the run's best
+                   request so far, 4.9 tokens a round: .042, cannot (a look's rounds, 3 a look at
+                   116 ms for ~14 tokens where AR commits 4 in 21, cost D2SD and BASTION 5-8% at
+                   C=4, results/c4_rounds_zen4_1207.json)
     """
-    return any(tokens / ms > 1.0 / ar_ms for tokens, ms in rounds)
+    return any(min(tokens, best if best is not None else tokens) / ms > 1.0 / ar_ms
+               for tokens, ms in rounds)
+
+
+class DraftMeans:
+    """The best drafting a run has seen: per request, its mean tokens per drafting round."""
+
+    def __init__(self):
+        self.means: dict[int, float] = {}
+
+    def add(self, state: dict, tokens: int) -> None:
+        """A drafting round of the request (state: its seq.state) committed `tokens`."""
+        n = state["drafted_rounds"] = state.get("drafted_rounds", 0) + 1
+        total = state["drafted_tokens"] = state.get("drafted_tokens", 0) + tokens
+        if n >= HISTORY:
+            self.means[state.setdefault("drafts_id", len(self.means))] = total / n
+
+    @property
+    def best(self) -> float | None:
+        """The most tokens per drafting round any request has averaged over its drafting rounds
+        (HISTORY at least; None before one has drafted that many): what a look can hope for
+        (`draft_could_pay`). The highest of the requests' current means, not of each mean's
+        history: a request's first rounds (8, 8, 5 at B=8: 7.0) say less than its eight (4.9)."""
+        return max(self.means.values()) if self.means else None
 
 
 class ARSwitch:
@@ -94,14 +125,19 @@ class ARSwitch:
     def __init__(self):
         self.explore = EXPLORE
         self.looks = 0
+        self.drafts = DraftMeans()
 
-    @staticmethod
-    def record(seq, tokens: int, ms: float) -> None:
+    @property
+    def best(self) -> float | None:
+        return self.drafts.best
+
+    def record(self, seq, tokens: int, ms: float) -> None:
         """A drafting round of the request committed `tokens` in a round priced `ms`."""
         st, rate = seq.state, tokens / ms
         old = st.get("rate")
         st["rate"] = rate if old is None else old + (rate - old) / RATE_MEMORY
         st["judged"] = st.get("judged", 0) + 1
+        self.drafts.add(st, tokens)
 
     @staticmethod
     def drafting_pays(seq, ar_ms: float) -> bool | None:
@@ -115,7 +151,7 @@ class ARSwitch:
     def next_is_ar(self, seq, ar_ms: float, look_pays: bool) -> bool:
         """The request's next round (after `record` booked its last one if it drafted).
         seq.block: its last round's block (AR_BLOCK: an AR round); ar_ms: one AR round at the
-        run's batch; look_pays: a perfect draft could beat AR (perfect_draft_pays). Going AR
+        run's batch; look_pays: a look could beat AR (draft_could_pay). Going AR
         forgets the drafting rate: a look is judged on its own HISTORY rounds."""
         st = seq.state
         if seq.block != AR_BLOCK:
@@ -142,7 +178,7 @@ class ARSwitch:
         a request that has not drafted yet); wanted: what the method's rule
         wants after the drafting round just run (None after an AR round or before the first);
         price(block): ms of a round of that block at the run's batch (block 1: an AR round);
-        look_pays: a perfect draft could beat AR; taken: rounds per block so far in the run.
+        look_pays: a look could beat AR (draft_could_pay); taken: rounds per block so far in the run.
 
             first round                -> start, or AR (first_is_ar)
             after a drafting round     -> wanted (kept for a later look), or AR (next_is_ar)
@@ -160,8 +196,8 @@ class ARSwitch:
 
     @staticmethod
     def first_is_ar(look_pays: bool, ar_rounds: int, rounds: int) -> bool:
-        """A new request's first round (no drafts seen yet): AR where not even a perfect draft
-        could pay at this load, or where the run's rounds so far were mostly AR rounds (at least
+        """A new request's first round (no drafts seen yet): AR where not even a draft as good as
+        the run's best could pay at this load, or where the run's rounds so far were mostly AR rounds (at least
         EXPLORE of them): it joins them rather than add a drafting step of its own to everyone's
         round, and looks at its drafts when the run's wait is over."""
         return not look_pays or (rounds >= EXPLORE and 2 * ar_rounds > rounds)

@@ -49,7 +49,7 @@ import torch
 from fastspec.config import FastspecError
 from fastspec.graphs.keys import BATCH_BUCKETS
 from fastspec.methods.ar_rounds import (AR_BLOCK, AR_VARIANT, ARSwitch, ar_round, drafting_blocks,
-                                        perfect_draft_pays)
+                                        draft_could_pay)
 from fastspec.methods.base import Method, Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import (DrafterChoice, commit_path, draft_positions, draft_stats,
                                      make_drafter)
@@ -149,10 +149,11 @@ class BASTION(DrafterChoice, Method):
         return self.clock.time(self.rows, budget, AR_VARIANT if budget == AR_BLOCK else "")
 
     def look_pays(self) -> bool:
-        """Could a look at the drafts after AR rounds pay: would a perfect tree beat AR? (A tree
-        of n nodes emits at most min(n, draft block) tokens.)"""
-        return perfect_draft_pays(((min(n, self.draft_block), self.price(n)) for n in self.tree_budgets),
-                                  self.price(AR_BLOCK))
+        """Could a look at the drafts after AR rounds pay: would a tree beat AR were it accepted
+        as far as the run's best request's so far (before any: all of it)? (A tree of n nodes
+        emits at most min(n, draft block) tokens.)"""
+        return draft_could_pay(((min(n, self.draft_block), self.price(n)) for n in self.tree_budgets),
+                               self.price(AR_BLOCK), self.switch.best)
 
     def plan(self, seq) -> Plan:
         h = seq.host

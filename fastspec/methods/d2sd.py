@@ -49,7 +49,7 @@ import torch
 
 from fastspec.config import FastspecError
 from fastspec.methods.ar_rounds import (AR_BLOCK, AR_VARIANT, ARSwitch, ar_round,
-                                        perfect_draft_pays)
+                                        draft_could_pay)
 from fastspec.methods.base import Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import (DrafterChoice, commit_path, draft_positions,
                                      draft_stats_and_alternatives, make_drafter, verify_chain)
@@ -199,8 +199,10 @@ class D2SD(DrafterChoice, LinearSS):
         return self.clock.time(self.rows, self.block, variant_for(k))
 
     def look_pays(self) -> bool:
-        """Would a perfect chain round (every draft accepted: `block` tokens) beat AR?"""
-        return perfect_draft_pays([(self.block, self.price(self.block, 0))], self.price(AR_BLOCK, 0))
+        """Would a chain round beat AR were it accepted as far as the run's best request's so far
+        (before any: every draft, `block` tokens)?"""
+        return draft_could_pay([(self.block, self.price(self.block, 0))], self.price(AR_BLOCK, 0),
+                               self.switch.best)
 
     def observe(self, seq) -> None:
         """Book the request's last round: which branches covered its outcome, and what a laid

@@ -71,7 +71,7 @@ import torch
 from fastspec.config import FastspecError
 from fastspec.graphs.keys import BATCH_BUCKETS
 from fastspec.methods.ar_rounds import (AR_BLOCK, AR_VARIANT, ARSwitch, ar_round, drafting_blocks,
-                                        perfect_draft_pays)
+                                        draft_could_pay)
 from fastspec.methods.base import Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import DrafterChoice, chain_round, make_drafter
 from fastspec.methods.linear import BLOCK_SIZES, LinearSS
@@ -215,10 +215,11 @@ class LibraSpec(DrafterChoice, LinearSS):
         return self.clock.time(rows, width, AR_VARIANT if width == AR_BLOCK else "")
 
     def look_pays(self, rows: int | None = None) -> bool:
-        """Could a look at the drafts after AR rounds pay: would a perfect draft beat AR?"""
+        """Could a look at the drafts after AR rounds pay: would a draft beat AR were it accepted
+        as far as the run's best request's so far (before any: all of it)?"""
         rows = rows or self.run.rows
-        return perfect_draft_pays(((w, self.price(rows, w)) for w in self.draft_blocks),
-                                  self.price(rows, AR_BLOCK))
+        return draft_could_pay(((w, self.price(rows, w)) for w in self.draft_blocks),
+                               self.price(rows, AR_BLOCK), self.switch.best)
 
     def plans(self) -> list[Plan]:
         return [Plan(b, AR_VARIANT if b == AR_BLOCK else "") for b in self.blocks]

@@ -67,8 +67,8 @@ import torch
 from fastspec.config import FastspecError
 from fastspec.convention import aligned_draft_logits, draft_block_mask, draft_adapter_flags
 from fastspec.layout import causal_block
-from fastspec.methods.ar_rounds import (AR_BLOCK, AR_VARIANT, EXPLORE, ar_round, drafting_blocks,
-                                        perfect_draft_pays)
+from fastspec.methods.ar_rounds import (AR_BLOCK, AR_VARIANT, EXPLORE, DraftMeans, ar_round,
+                                        draft_could_pay, drafting_blocks)
 from fastspec.methods.base import CarrySpec, Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import draft_stats_and_alternatives, exact_first_draft
 from fastspec.methods.linear import BLOCK_SIZES, SELF_DRAFT, LinearSS
@@ -246,6 +246,7 @@ class RecGuide(LinearSS):
                        "dropped": 0}
         self.decisions: dict[int, int] = {}          # branch slots laid out -> rounds
         self.block_choices: dict[int, int] = {}      # block size -> rounds (Table 4)
+        self.drafts = DraftMeans()                   # the requests' tokens per drafting round
 
     def slot_counts(self) -> list[int]:
         return list(range(self.max_slots + 1)) if self.branches == "gate" else [int(self.branches)]
@@ -397,12 +398,14 @@ class RecGuide(LinearSS):
         values = self.block_values(seq)
         blocks = self.blocks
         if ar_run and ar_run % EXPLORE == 0:
-            # Look at the drafts again, once, where drafting could pay at all: a block whose
-            # every draft is accepted (B tokens) beats AR's one token per round. Under load on
-            # a CPU none does (C=8: a drafting round costs more than B AR rounds), and a lone
-            # look would only add a step to everyone's round.
+            # Look at the drafts again, once, where drafting could pay at all: a block accepted
+            # as far as the run's best request's drafts so far (before any: every draft, B
+            # tokens) beats AR's one token per round. Under load on a CPU none does (C=8: a
+            # drafting round costs more than B AR rounds; C=4: more than 5 of them, and the best
+            # request drafts 4-5 tokens a round), and a look would only add a step to
+            # everyone's round.
             drafting = drafting_blocks(blocks)
-            if perfect_draft_pays(((b, costs[b]) for b in drafting), costs[AR_BLOCK]):
+            if draft_could_pay(((b, costs[b]) for b in drafting), costs[AR_BLOCK], self.drafts.best):
                 blocks = drafting
         return choose_block({b: values[b] for b in blocks}, costs, self.objective, self.rho)
 
@@ -460,6 +463,7 @@ class RecGuide(LinearSS):
         seq.state["ar_run"] = 0
         seq.state.setdefault("blocks", []).append(seq.block)
         seq.state.setdefault("commits", []).append(seq.accept_lengths[-1])
+        self.drafts.add(seq.state, seq.accept_lengths[-1])
         wanted = h[H_WANTED]
         covered = [h[H_COVERED + j] for j in range(min(wanted, self.n_cand))]
         for j, c in enumerate(covered):
