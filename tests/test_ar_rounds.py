@@ -5,7 +5,8 @@ from types import SimpleNamespace
 import pytest
 
 from fastspec.methods.ar_rounds import (AR_MARGIN, EXPLORE, EXPLORE_MAX, HISTORY, RATE_MEMORY,
-                                        ARSwitch, DraftMeans, draft_could_pay)
+                                        ARSwitch, DraftMeans, draft_could_pay,
+                                        mixed_round_ms)
 
 
 def request(block=8):
@@ -117,3 +118,65 @@ def test_a_new_request_starts_ar_where_no_draft_pays_or_the_run_mostly_takes_ar(
     assert not first(look_pays=True, ar_rounds=EXPLORE - 1, rounds=EXPLORE - 1)   # too few
     assert first(look_pays=True, ar_rounds=EXPLORE, rounds=EXPLORE)
     assert not first(look_pays=True, ar_rounds=10, rounds=20)                    # half
+
+
+def zen4_c4_price(n, block):
+    """ms of a step for n requests at C=4 on Zen 4 (rounded): AR ~21 at any rows; a B=8
+    drafting round 42 (1 row), 73 (2), 116 (3-4 rows: the 4-row bucket)."""
+    if block == 1:
+        return 21.0
+    return {1: 42.0, 2: 73.0, 3: 116.0, 4: 116.0}[n]
+
+
+def test_a_lone_drafter_beside_ar_rows_is_judged_at_what_its_step_adds_to_everyones_round():
+    """One request drafting B=8 beside three AR requests: the round is 21 + 42 = 63 ms, its
+    drafting adds 42 ms to all four, priced T_eff = 21 + 4 · 42 = 189 ms; two drafters share
+    what their step adds: 21 + 2 · (21 + 73 - 21) = 167. A round in which all draft, or none,
+    is no mixed round (None: the caller's own price)."""
+    assert mixed_round_ms([8, 1, 1, 1], zen4_c4_price) == pytest.approx(189.0)
+    assert mixed_round_ms([8, 8, 1, 1], zen4_c4_price) == pytest.approx(167.0)
+    assert mixed_round_ms([8, 8, 8, 8], zen4_c4_price) is None
+    assert mixed_round_ms([1, 1, 1, 1], zen4_c4_price) is None
+    assert mixed_round_ms([], zen4_c4_price) is None
+
+
+def test_the_mixed_price_says_what_the_rounds_own_rate_says():
+    """Drafters committing k tokens each beat AR on T_eff (k / T_eff > 1 / T_AR) exactly when
+    the mixed round commits more per ms than an AR round for everyone: (n - d + d·k) / T >
+    n / T_AR. Random prices and token counts, brute force."""
+    import random
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(2000):
+        n = rng.randint(2, 8)
+        d = rng.randint(1, n - 1)
+        t_ar = {m: rng.uniform(10, 30) for m in range(1, n + 1)}
+        t_ar = {m: max(t_ar[j] for j in range(1, m + 1)) for m in t_ar}   # more rows cost more
+        t_draft = rng.uniform(20, 200)
+        k = rng.uniform(1, 9)
+        price = lambda m, b: t_ar[m] if b == 1 else t_draft      # noqa: E731
+        t_eff = mixed_round_ms([8] * d + [1] * (n - d), price)
+        round_ms = t_ar[n - d] + t_draft
+        if t_ar[n - d] + t_draft <= t_ar[n]:
+            continue
+        assert (k / t_eff > 1 / t_ar[n]) == ((n - d + d * k) / round_ms > n / t_ar[n])
+        checked += 1
+    assert checked > 1000
+
+
+def test_a_request_drafting_beside_ar_requests_turns_to_ar_at_its_mixed_price():
+    """6 tokens a round at B=8, C=4: priced as a round in which all four draft (116 ms, .052 a
+    ms against .9 / 21 = .043) the request goes on drafting; beside three AR requests (189 ms,
+    .032 a ms) it turns to AR rounds once judged."""
+    verdicts = []
+    for round_ms in (None, mixed_round_ms([8, 1, 1, 1], zen4_c4_price)):
+        seq, sw = request(8), ARSwitch()
+        seq.accept_lengths, seq.host = [6], [1]
+        sw.round_ms = round_ms
+        blocks = []
+        for _ in range(HISTORY):
+            block = sw.next_block(seq, 8, 8, lambda b: zen4_c4_price(4, b), False, {})
+            blocks.append(block)
+            seq.block = block
+        verdicts.append(blocks[-1])
+    assert verdicts == [8, 1]

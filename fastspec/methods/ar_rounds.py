@@ -9,8 +9,10 @@ round, as a server turns speculation off by batch size:
     after a drafting round   AR iff the request's drafting rounds commit clearly fewer tokens per
                              ms than an AR round does: r <= AR_MARGIN / T_AR, r the moving
                              average (weight 1/RATE_MEMORY) of k_i / T_i, k_i the tokens
-                             round i committed, T_i its cost and T_AR one AR round's at the
-                             run's batch, as the run measures its steps (StepClock: the device
+                             round i committed, T_i its cost (a round that mixed drafting and
+                             AR requests: what its drafting step added to everyone's round,
+                             `mixed_round_ms`) and T_AR one AR round's at the run's batch, as
+                             the run measures its steps (StepClock: the device
                              profile scaled to them); judged once HISTORY rounds
                              came in since its last AR round (verification-guided: what the
                              verifier accepted, not what the drafter believed; BASTION's tree
@@ -37,7 +39,8 @@ context (DFlash's ring) still learns the committed seed.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections import Counter
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -89,6 +92,36 @@ def draft_could_pay(rounds: Iterable[tuple[int, float]], ar_ms: float,
                for tokens, ms in rounds)
 
 
+def mixed_round_ms(blocks: Sequence[int], price_at: Callable[[int, int], float]) -> float | None:
+    """The price a drafting request's round is judged at where the last round mixed drafting
+    and AR requests (None where it did not: the caller's price of a round in which every
+    request drafts). blocks: each request's last block (AR_BLOCK: an AR round); price_at(n,
+    block): ms of a step of that block for n requests (the method's step rows for them).
+
+    The drafters' step is one of its own that every request of the round waits for, so their
+    drafting is worth it only if the tokens it adds beat AR's rate over the time it adds:
+    Σ(k_i - 1) / (T - T_AR(n)) > n / T_AR(n), T the mixed round. Per drafter, with the added
+    time shared, that is k_i / T_eff > 1 / T_AR(n) for
+
+        T_eff = T_AR(n) + n / n_d · (T - T_AR(n))
+
+    (all n drafting: T_eff = T, the all-drafting round's own price).
+
+        C=4 on Zen 4, one request drafting B=8 beside three AR requests: T_AR(4) = 21 ms, the
+        round 21 + 42 (a 1-row draft step) = 63: T_eff = 21 + 4 · 42 = 189 ms, so its 5 tokens
+        (.026 a ms) lose to AR's 1 / 21 (.048); priced as a round in which all four draft
+        (116 ms, .043 a ms against .9 / 21) it kept drafting beside them.
+    """
+    n = len(blocks)
+    drafting = [b for b in blocks if b != AR_BLOCK]
+    if not drafting or len(drafting) == n:
+        return None
+    ar_all = price_at(n, AR_BLOCK)
+    steps = price_at(n - len(drafting), AR_BLOCK) + \
+        sum(price_at(m, b) for b, m in Counter(drafting).items())
+    return ar_all + n / len(drafting) * max(steps - ar_all, 0.0)
+
+
 class DraftMeans:
     """The best drafting a run has seen: per request, its mean tokens per drafting round."""
 
@@ -126,6 +159,9 @@ class ARSwitch:
         self.explore = EXPLORE
         self.looks = 0
         self.drafts = DraftMeans()
+        # The price of the last round for its drafting requests where it mixed them with AR
+        # requests (mixed_round_ms; set by the planner before it plans a round), else None.
+        self.round_ms: float | None = None
 
     @property
     def best(self) -> float | None:
@@ -189,7 +225,8 @@ class ARSwitch:
             return AR_BLOCK if ar else start
         if seq.block != AR_BLOCK:
             seq.state["wanted"] = wanted
-            self.record(seq, seq.accept_lengths[-1] if seq.accept_lengths else 0, price(seq.block))
+            self.record(seq, seq.accept_lengths[-1] if seq.accept_lengths else 0,
+                        self.round_ms or price(seq.block))
         if self.next_is_ar(seq, price(AR_BLOCK), look_pays):
             return AR_BLOCK
         return seq.state.get("wanted") or start

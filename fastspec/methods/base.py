@@ -94,6 +94,12 @@ class Method:
     # there) instead of its own plan's block.
     widen_joined = False
     timed = False                   # True: the planner reads measured step times (costs a sync on GPU)
+    # Planners with AR rounds: a look at the drafts pays only where the run's best request's
+    # drafts could beat AR (methods/ar_rounds.py draft_could_pay); False: a perfect draft's.
+    look_by_best = True
+    # ... and a drafting round that ran beside AR requests is judged at what its step added to
+    # everyone's round (ar_rounds.mixed_round_ms); False: as if every request had drafted.
+    price_mixed_rounds = True
     clock = None                    # ... through this StepClock (methods/step_clock.py), set in begin()
     # The block `fastspec bench` gives it when --block is not set (None: the suite's 8).
     bench_block: int | None = None

@@ -47,9 +47,9 @@ from __future__ import annotations
 import torch
 
 from fastspec.config import FastspecError
-from fastspec.graphs.keys import BATCH_BUCKETS
-from fastspec.methods.ar_rounds import (AR_BLOCK, AR_VARIANT, ARSwitch, ar_round, drafting_blocks,
-                                        draft_could_pay)
+from fastspec.graphs.keys import BATCH_BUCKETS, batch_bucket
+from fastspec.methods.ar_rounds import (AR_BLOCK, AR_VARIANT, ARSwitch, ar_round, draft_could_pay,
+                                        drafting_blocks, mixed_round_ms)
 from fastspec.methods.base import Method, Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import (DrafterChoice, commit_path, draft_positions, draft_stats,
                                      make_drafter)
@@ -153,7 +153,16 @@ class BASTION(DrafterChoice, Method):
         as far as the run's best request's so far (before any: all of it)? (A tree of n nodes
         emits at most min(n, draft block) tokens.)"""
         return draft_could_pay(((min(n, self.draft_block), self.price(n)) for n in self.tree_budgets),
-                               self.price(AR_BLOCK), self.switch.best)
+                               self.price(AR_BLOCK), self.switch.best if self.look_by_best else None)
+
+    def plan_round(self, seqs) -> list[Plan]:
+        # A round that mixed trees and AR rounds is judged at what it cost (mixed_round_ms).
+        self.switch.round_ms = None
+        if self.ar and self.price_mixed_rounds:
+            self.switch.round_ms = mixed_round_ms(
+                [q.block for q in seqs if q.host],
+                lambda n, b: self.clock.time(batch_bucket(n), b, AR_VARIANT if b == AR_BLOCK else ""))
+        return [self.plan(seq) for seq in seqs]
 
     def plan(self, seq) -> Plan:
         h = seq.host

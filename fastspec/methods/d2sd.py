@@ -48,8 +48,8 @@ from __future__ import annotations
 import torch
 
 from fastspec.config import FastspecError
-from fastspec.methods.ar_rounds import (AR_BLOCK, AR_VARIANT, ARSwitch, ar_round,
-                                        draft_could_pay)
+from fastspec.methods.ar_rounds import (AR_BLOCK, AR_VARIANT, ARSwitch, ar_round, draft_could_pay,
+                                        mixed_round_ms)
 from fastspec.methods.base import Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import (DrafterChoice, commit_path, draft_positions,
                                      draft_stats_and_alternatives, make_drafter, verify_chain)
@@ -202,7 +202,7 @@ class D2SD(DrafterChoice, LinearSS):
         """Would a chain round beat AR were it accepted as far as the run's best request's so far
         (before any: every draft, `block` tokens)?"""
         return draft_could_pay([(self.block, self.price(self.block, 0))], self.price(AR_BLOCK, 0),
-                               self.switch.best)
+                               self.switch.best if self.look_by_best else None)
 
     def observe(self, seq) -> None:
         """Book the request's last round: which branches covered its outcome, and what a laid
@@ -230,6 +230,13 @@ class D2SD(DrafterChoice, LinearSS):
         tokens per ms against AR's, each priced at the k it ran)."""
         for q in seqs:
             self.observe(q)
+        # A round that mixed drafting and AR rounds is judged at what it cost (mixed_round_ms).
+        self.switch.round_ms = None
+        if self.ar and self.price_mixed_rounds:
+            ran = [q for q in seqs if q.host]       # (D2SD's steps all run at the batch's rows)
+            last_k = next((q.state.get("branches", 0) for q in ran if q.block != AR_BLOCK), 0)
+            self.switch.round_ms = mixed_round_ms([q.block for q in ran],
+                                                  lambda n, b: self.price(b, last_k))
         k, look_pays = self.choose_branches(), self.ar and self.look_pays()
         plans = []
         for q in seqs:

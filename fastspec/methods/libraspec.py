@@ -69,9 +69,9 @@ from typing import Callable, Sequence
 import torch
 
 from fastspec.config import FastspecError
-from fastspec.graphs.keys import BATCH_BUCKETS
+from fastspec.graphs.keys import BATCH_BUCKETS, batch_bucket
 from fastspec.methods.ar_rounds import (AR_BLOCK, AR_VARIANT, ARSwitch, ar_round, drafting_blocks,
-                                        draft_could_pay)
+                                        draft_could_pay, mixed_round_ms)
 from fastspec.methods.base import Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import DrafterChoice, chain_round, make_drafter
 from fastspec.methods.linear import BLOCK_SIZES, LinearSS
@@ -219,7 +219,8 @@ class LibraSpec(DrafterChoice, LinearSS):
         as far as the run's best request's so far (before any: all of it)?"""
         rows = rows or self.run.rows
         return draft_could_pay(((w, self.price(rows, w)) for w in self.draft_blocks),
-                               self.price(rows, AR_BLOCK), self.switch.best)
+                               self.price(rows, AR_BLOCK),
+                               self.switch.best if self.look_by_best else None)
 
     def plans(self) -> list[Plan]:
         return [Plan(b, AR_VARIANT if b == AR_BLOCK else "") for b in self.blocks]
@@ -235,6 +236,14 @@ class LibraSpec(DrafterChoice, LinearSS):
         was still extending at the last draft it could see), else the widest."""
         need = gamma + 1 + int(capped)
         return next((b for b in self.draft_blocks if b >= need), self.draft_blocks[-1])
+
+    def plan_round(self, seqs) -> list[Plan]:
+        # A round that mixed drafting and AR rounds is judged at what it cost (mixed_round_ms).
+        self.switch.round_ms = None
+        if self.ar and self.price_mixed_rounds:
+            self.switch.round_ms = mixed_round_ms([q.block for q in seqs if q.host],
+                                                  lambda n, w: self.price(batch_bucket(n), w))
+        return [self.plan(seq) for seq in seqs]
 
     def plan(self, seq) -> Plan:
         h = seq.host

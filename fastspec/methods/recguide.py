@@ -405,7 +405,8 @@ class RecGuide(LinearSS):
             # request drafts 4-5 tokens a round), and a look would only add a step to
             # everyone's round.
             drafting = drafting_blocks(blocks)
-            if draft_could_pay(((b, costs[b]) for b in drafting), costs[AR_BLOCK], self.drafts.best):
+            best = self.drafts.best if self.look_by_best else None
+            if draft_could_pay(((b, costs[b]) for b in drafting), costs[AR_BLOCK], best):
                 blocks = drafting
         return choose_block({b: values[b] for b in blocks}, costs, self.objective, self.rho)
 
