@@ -121,20 +121,21 @@ def test_a_new_request_starts_ar_where_no_draft_pays_or_the_run_mostly_takes_ar(
 
 
 def zen4_c4_price(n, block):
-    """ms of a step for n requests at C=4 on Zen 4 (rounded): AR ~21 at any rows; a B=8
-    drafting round 42 (1 row), 73 (2), 116 (3-4 rows: the 4-row bucket)."""
+    """ms of a step for n requests at C=4, of the order a 2-core Zen 4 measures (rounded; see
+    mixed_round_ms): AR 20 at any rows; a B=8 drafting round 40 (1 row), 70 (2), 120 (3-4
+    rows: the 4-row bucket)."""
     if block == 1:
-        return 21.0
-    return {1: 42.0, 2: 73.0, 3: 116.0, 4: 116.0}[n]
+        return 20.0
+    return {1: 40.0, 2: 70.0, 3: 120.0, 4: 120.0}[n]
 
 
 def test_a_lone_drafter_beside_ar_rows_is_judged_at_what_its_step_adds_to_everyones_round():
-    """One request drafting B=8 beside three AR requests: the round is 21 + 42 = 63 ms, its
-    drafting adds 42 ms to all four, priced T_eff = 21 + 4 · 42 = 189 ms; two drafters share
-    what their step adds: 21 + 2 · (21 + 73 - 21) = 167. A round in which all draft, or none,
+    """One request drafting B=8 beside three AR requests: the round is 20 + 40 = 60 ms, its
+    drafting adds 40 ms to all four, priced T_eff = 20 + 4 · 40 = 180 ms; two drafters share
+    what their step adds: 20 + 2 · (20 + 70 - 20) = 160. A round in which all draft, or none,
     is no mixed round (None: the caller's own price)."""
-    assert mixed_round_ms([8, 1, 1, 1], zen4_c4_price) == pytest.approx(189.0)
-    assert mixed_round_ms([8, 8, 1, 1], zen4_c4_price) == pytest.approx(167.0)
+    assert mixed_round_ms([8, 1, 1, 1], zen4_c4_price) == pytest.approx(180.0)
+    assert mixed_round_ms([8, 8, 1, 1], zen4_c4_price) == pytest.approx(160.0)
     assert mixed_round_ms([8, 8, 8, 8], zen4_c4_price) is None
     assert mixed_round_ms([1, 1, 1, 1], zen4_c4_price) is None
     assert mixed_round_ms([], zen4_c4_price) is None
@@ -165,9 +166,9 @@ def test_the_mixed_price_says_what_the_rounds_own_rate_says():
 
 
 def test_a_request_drafting_beside_ar_requests_turns_to_ar_at_its_mixed_price():
-    """6 tokens a round at B=8, C=4: priced as a round in which all four draft (116 ms, .052 a
-    ms against .9 / 21 = .043) the request goes on drafting; beside three AR requests (189 ms,
-    .032 a ms) it turns to AR rounds once judged."""
+    """6 tokens a round at B=8, C=4: priced as a round in which all four draft (120 ms, .05 a
+    ms against .9 / 20 = .045) the request goes on drafting; beside three AR requests (180 ms,
+    .033 a ms) it turns to AR rounds once judged."""
     verdicts = []
     for round_ms in (None, mixed_round_ms([8, 1, 1, 1], zen4_c4_price)):
         seq, sw = request(8), ARSwitch()

@@ -83,10 +83,10 @@ def draft_could_pay(rounds: Iterable[tuple[int, float]], ar_ms: float,
 
         C=1 (CPU): [(4, 33), (8, 48)], AR 16   -> 4/33 = .12 > 1/16 = .063: a look may pay
         C=8 (CPU): [(4, 139), (8, 261)], AR 30 -> .029, .031 < .033: never
-        C=4 (CPU): [(8, 116)], AR 21: a perfect draft, 8/116 = .069 > .048, may pay; the run's best
-                   request so far, 4.9 tokens a round: .042, cannot (a look's rounds, 3 a look at
-                   116 ms for ~14 tokens where AR commits 4 in 21, cost D2SD and BASTION 5-8% at
-                   C=4, results/c4_rounds_zen4_1207.json)
+        C=4 (CPU): [(8, 133)], AR 17 (D2SD, results/round_mix_c4_zen4_1207.json): a perfect
+                   draft, 8 / 133 = .060 > 1 / 17 = .059, may pay; were the run's best request
+                   so far 4.9 tokens a round, .037, none can. (RecGuide's looks there: 33
+                   drafting rounds of a run's 235 with a perfect draft's bound, 3 with the best's.)
     """
     return any(min(tokens, best if best is not None else tokens) / ms > 1.0 / ar_ms
                for tokens, ms in rounds)
@@ -107,10 +107,12 @@ def mixed_round_ms(blocks: Sequence[int], price_at: Callable[[int, int], float])
 
     (all n drafting: T_eff = T, the all-drafting round's own price).
 
-        C=4 on Zen 4, one request drafting B=8 beside three AR requests: T_AR(4) = 21 ms, the
-        round 21 + 42 (a 1-row draft step) = 63: T_eff = 21 + 4 · 42 = 189 ms, so its 5 tokens
-        (.026 a ms) lose to AR's 1 / 21 (.048); priced as a round in which all four draft
-        (116 ms, .043 a ms against .9 / 21) it kept drafting beside them.
+        For example, at C=4 with prices of the order a 2-core Zen 4 measures (AR 16-20 ms at
+        4 rows, a B=8 drafting step ~40 ms at 1 row and 120-130 at 4 rows,
+        results/round_mix_c4_zen4_1207.json): AR 20, a lone drafter's step 40, all four 120.
+        One request drafting beside three AR requests makes a 60 ms round: T_eff = 20 + 4 · 40
+        = 180 ms, and its 6 tokens (.033 a ms) lose to AR's 1 / 20 (.05); priced as a round in
+        which all four draft (6 / 120 = .05 against .9 / 20 = .045) it kept drafting.
     """
     n = len(blocks)
     drafting = [b for b in blocks if b != AR_BLOCK]
