@@ -60,7 +60,9 @@ def main(argv=None) -> None:
     def timed_group(meth, plan, slots, blocks, concurrency, longest=None):
         t0 = time.perf_counter()
         out = run_group(meth, plan, slots, blocks, concurrency, longest)
-        steps_run.append((eng.stats.rounds, t0, time.perf_counter() - t0, plan.variant, plan.block, len(slots)))
+        # AR's own rounds have no variant name; a planner's plain AR rounds are "ar".
+        variant = plan.variant or ("ar" if meth.name == "ar" else "draft")
+        steps_run.append((eng.stats.rounds, t0, time.perf_counter() - t0, variant, plan.block, len(slots)))
         return out
     eng.run_group = timed_group
 
@@ -85,7 +87,7 @@ def main(argv=None) -> None:
                 tokens += eng.last_stats.new_tokens
                 by_round: dict = defaultdict(list)
                 for r, t0, dt, variant, block, n in steps_run:
-                    by_round[r].append((t0, dt, variant or "draft", block, n))
+                    by_round[r].append((t0, dt, variant, block, n))
                 rounds = sorted(by_round)
                 for i, r in enumerate(rounds):
                     group = by_round[r]
@@ -120,4 +122,10 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from fastspec.config import FastspecError
+    try:
+        main()
+    except FastspecError as e:          # an unknown method, a bad option: one line, not a traceback
+        sys.exit(f"round_mix: {e}")
