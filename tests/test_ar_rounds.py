@@ -181,3 +181,20 @@ def test_a_request_drafting_beside_ar_requests_turns_to_ar_at_its_mixed_price():
             seq.block = block
         verdicts.append(blocks[-1])
     assert verdicts == [8, 1]
+
+
+def test_a_first_round_is_judged_by_first_pays_where_given_and_looks_by_look_pays():
+    """A new request (no host values yet) takes its first round by `first_pays` (the last run's
+    best, ARSwitch.first_bound) where the method gives one; its looks after AR rounds go by
+    `look_pays` (this run's own bound)."""
+    for first_pays, expected in ((None, 8), (True, 8), (False, 1)):
+        seq = request(8)
+        seq.host = []
+        assert ARSwitch().next_block(seq, 8, None, lambda b: 20.0, True, {}, first_pays) == expected
+    sw = ARSwitch(prior=2.0)
+    assert sw.prior == 2.0 and sw.best is None and sw.first_bound == 2.0
+    means = sw.drafts
+    state = {}
+    for t in (5, 5, 5):
+        means.add(state, t)
+    assert sw.first_bound == 5.0            # the run's own best, once it has one

@@ -494,6 +494,33 @@ def test_a_run_mixes_ar_and_drafting_rounds_and_still_equals_ar(drafter, monkeyp
     assert m.switch.best == 2 and not m.look_pays() and m.report()["looks"] == 0
 
 
+def test_a_new_run_starts_with_ar_rounds_where_the_last_runs_best_request_could_not_pay():
+    """T(rows, tokens) = 10 + tokens: a width-w round 2 · (10 + w) ms, AR 11. The first run's
+    best request drafted 2 tokens a round, which no width turns into more than AR's 1 / 11 a ms.
+    The next run (fresh counts) starts its requests with AR rounds, where the first run started
+    drafting on a perfect draft's bound; its looks keep that bound until one of its own
+    requests is judged, so it looks after EXPLORE AR rounds all the same."""
+    from fastspec.methods.ar_rounds import EXPLORE, HISTORY
+    m = LibraSpec(block=8)
+    firsts = []
+    for run in range(2):
+        m.begin(RunInfo(1, 1, set(), {}, lambda r, t: 10.0 + t))
+        seq = PlanSeq(4)
+        plans = []
+        for _ in range(HISTORY + EXPLORE + 1):
+            p = m.plan(seq)
+            plans.append(p.variant)
+            seq.block = p.block
+            seq.host, seq.accept_lengths = ([0, 0, 0], [1]) if p.variant == "ar" else ([1, 0, 1], [2])
+        firsts.append(plans[0])
+        if run == 0:
+            assert m.switch.best == 2 and m.switch.prior is None
+        else:
+            assert m.switch.prior == 2
+            assert plans[:EXPLORE] == ["ar"] * EXPLORE and plans[EXPLORE] == ""    # a look
+    assert firsts == ["", "ar"]
+
+
 def test_a_request_that_started_with_ar_rounds_looks_at_the_start_width():
     """A request admitted into a run of AR rounds starts with them (first_is_ar); its first look
     drafts at the method's start width, as no drafting round has chosen one for it yet."""

@@ -157,10 +157,13 @@ class ARSwitch:
         AR x16, look: AR again -> AR x32, look: AR again -> AR x64, look: drafts pay -> drafting
     """
 
-    def __init__(self):
+    def __init__(self, prior: float | None = None):
+        """prior: the best mean tokens per drafting round of an earlier run of the same method
+        (`first_bound`), or None."""
         self.explore = EXPLORE
         self.looks = 0
         self.drafts = DraftMeans()
+        self.prior = prior
         # The price of the last round for its drafting requests where it mixed them with AR
         # requests (mixed_round_ms; set by the planner before it plans a round), else None.
         self.round_ms: float | None = None
@@ -168,6 +171,18 @@ class ARSwitch:
     @property
     def best(self) -> float | None:
         return self.drafts.best
+
+    @property
+    def first_bound(self) -> float | None:
+        """What a new request's first round is judged by (`draft_could_pay`): the run's best
+        request so far, else the best of the method's earlier run (a new run at C=4 then starts
+        with AR rounds where the last run's best request could not pay: each of BASTION's first
+        four requests built 6-9 trees of 130 ms, 8 AR rounds each, before one was judged,
+        results/planners_c24_zen4_1207_evening.json), else a perfect draft. Looks keep the
+        run's own bound (`best`: a perfect draft until one of its requests is judged), so a run
+        whose text drafts better than the last run's still finds it after EXPLORE AR rounds."""
+        own = self.drafts.best
+        return own if own is not None else self.prior
 
     def record(self, seq, tokens: int, ms: float) -> None:
         """A drafting round of the request committed `tokens` in a round priced `ms`."""
@@ -210,20 +225,22 @@ class ARSwitch:
         return True
 
     def next_block(self, seq, start: int, wanted: int | None, price, look_pays: bool,
-                   taken: dict[int, int]) -> int:
+                   taken: dict[int, int], first_pays: bool | None = None) -> int:
         """The block of the request's next round, AR_BLOCK or a drafting one, for a method with
         AR rounds in its set. start: the method's start block (a first round's, and a look's by
         a request that has not drafted yet); wanted: what the method's rule
         wants after the drafting round just run (None after an AR round or before the first);
         price(block): ms of a round of that block at the run's batch (block 1: an AR round);
-        look_pays: a look could beat AR (draft_could_pay); taken: rounds per block so far in the run.
+        look_pays: a look could beat AR (draft_could_pay); taken: rounds per block so far in the run;
+        first_pays: a first round could beat AR (draft_could_pay at `first_bound`; None: look_pays).
 
             first round                -> start, or AR (first_is_ar)
             after a drafting round     -> wanted (kept for a later look), or AR (next_is_ar)
             after an AR round          -> AR, or a look at the last wanted block
         """
         if not seq.host:
-            ar = self.first_is_ar(look_pays, taken.get(AR_BLOCK, 0), sum(taken.values()))
+            pays = look_pays if first_pays is None else first_pays
+            ar = self.first_is_ar(pays, taken.get(AR_BLOCK, 0), sum(taken.values()))
             return AR_BLOCK if ar else start
         if seq.block != AR_BLOCK:
             seq.state["wanted"] = wanted
@@ -236,9 +253,10 @@ class ARSwitch:
     @staticmethod
     def first_is_ar(look_pays: bool, ar_rounds: int, rounds: int) -> bool:
         """A new request's first round (no drafts seen yet): AR where not even a draft as good as
-        the run's best could pay at this load, or where the run's rounds so far were mostly AR rounds (at least
-        EXPLORE of them): it joins them rather than add a drafting step of its own to everyone's
-        round, and looks at its drafts when the run's wait is over."""
+        the best known (`first_bound`) could pay at this load, or where the run's rounds so far
+        were mostly AR rounds (at least EXPLORE of them): it joins them rather than add a
+        drafting step of its own to everyone's round, and looks at its drafts when the run's
+        wait is over."""
         return not look_pays or (rounds >= EXPLORE and 2 * ar_rounds > rounds)
 
 

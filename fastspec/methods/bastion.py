@@ -124,7 +124,9 @@ class BASTION(DrafterChoice, Method):
         self.clock = StepClock(self.estimate_ms, getattr(run, "step_ms", {}) if self.timed else {})
         if fresh:
             self.stats = {"rounds": 0, "wanted": 0, "nodes": 0, "budget": 0, "tokens": 0}
-            self.switch = ARSwitch()                # who builds trees, who takes AR rounds
+            # who builds trees, who takes AR rounds; the last run's best request is this one's prior
+            old = getattr(self, "switch", None)
+            self.switch = ARSwitch(old.first_bound if old is not None else None)
             self.budget_rounds: dict[int, int] = {}
 
     def _costs(self, rows: int, budget: int) -> tuple[float, ...]:
@@ -148,12 +150,14 @@ class BASTION(DrafterChoice, Method):
         its steps (the profile's where `prices=profile`)."""
         return self.clock.time(self.rows, budget, AR_VARIANT if budget == AR_BLOCK else "")
 
-    def look_pays(self) -> bool:
+    def look_pays(self, first: bool = False) -> bool:
         """Could a look at the drafts after AR rounds pay: would a tree beat AR were it accepted
-        as far as the run's best request's so far (before any: all of it)? (A tree of n nodes
-        emits at most min(n, draft block) tokens.)"""
+        as far as the run's best request's so far (before any: all of it)? first: a new
+        request's first round, judged at `ARSwitch.first_bound`. (A tree of n nodes emits at
+        most min(n, draft block) tokens.)"""
+        bound = (self.switch.first_bound if first else self.switch.best) if self.look_by_best else None
         return draft_could_pay(((min(n, self.draft_block), self.price(n)) for n in self.tree_budgets),
-                               self.price(AR_BLOCK), self.switch.best if self.look_by_best else None)
+                               self.price(AR_BLOCK), bound)
 
     def plan_round(self, seqs) -> list[Plan]:
         # A round that mixed trees and AR rounds is judged at what it cost (mixed_round_ms).
@@ -180,7 +184,8 @@ class BASTION(DrafterChoice, Method):
                 next(b for b in tb if b >= h[H_WANTED])
         if self.ar:
             budget = self.switch.next_block(seq, self.block, wanted, self.price,
-                                            self.look_pays(), self.budget_rounds)
+                                            self.look_pays(), self.budget_rounds,
+                                            first_pays=None if h else self.look_pays(first=True))
         else:
             budget = wanted or seq.block or self.block
         self.budget_rounds[budget] = self.budget_rounds.get(budget, 0) + 1

@@ -121,7 +121,9 @@ class D2SD(DrafterChoice, LinearSS):
             self.chain_tokens = 0                   # what the chain alone would have committed
             self.covered, self.extra, self.hits_laid = [0] * K, [0] * K, [0] * K
             self.chosen: dict[int, int] = {}        # branches laid out -> rounds
-            self.switch = ARSwitch()                # who drafts, who takes AR rounds
+            # who drafts, who takes AR rounds; the last run's best request is this one's prior
+            old = getattr(self, "switch", None)
+            self.switch = ARSwitch(old.first_bound if old is not None else None)
             self.block_rounds: dict[int, int] = {}  # AR_BLOCK or the block -> rounds
 
     def nodes(self, k: int | None = None) -> int:
@@ -198,11 +200,12 @@ class D2SD(DrafterChoice, LinearSS):
             return self.clock.time(self.rows, 1, AR_VARIANT)
         return self.clock.time(self.rows, self.block, variant_for(k))
 
-    def look_pays(self) -> bool:
+    def look_pays(self, first: bool = False) -> bool:
         """Would a chain round beat AR were it accepted as far as the run's best request's so far
-        (before any: every draft, `block` tokens)?"""
-        return draft_could_pay([(self.block, self.price(self.block, 0))], self.price(AR_BLOCK, 0),
-                               self.switch.best if self.look_by_best else None)
+        (before any: every draft, `block` tokens)? first: a new request's first round, judged at
+        `ARSwitch.first_bound`."""
+        bound = (self.switch.first_bound if first else self.switch.best) if self.look_by_best else None
+        return draft_could_pay([(self.block, self.price(self.block, 0))], self.price(AR_BLOCK, 0), bound)
 
     def observe(self, seq) -> None:
         """Book the request's last round: which branches covered its outcome, and what a laid
@@ -238,6 +241,7 @@ class D2SD(DrafterChoice, LinearSS):
             self.switch.round_ms = mixed_round_ms([q.block for q in ran],
                                                   lambda n, b: self.price(b, last_k))
         k, look_pays = self.choose_branches(), self.ar and self.look_pays()
+        first_pays = self.ar and self.look_pays(first=True)
         plans = []
         for q in seqs:
             block = self.block
@@ -245,7 +249,7 @@ class D2SD(DrafterChoice, LinearSS):
                 last_k = q.state.get("branches", k)
                 block = self.switch.next_block(q, self.block, self.block,
                                                lambda b, lk=last_k: self.price(b, lk), look_pays,
-                                               self.block_rounds)
+                                               self.block_rounds, first_pays=first_pays)
             self.block_rounds[block] = self.block_rounds.get(block, 0) + 1
             if block == AR_BLOCK:
                 plans.append(Plan(AR_BLOCK, AR_VARIANT))

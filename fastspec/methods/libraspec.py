@@ -185,7 +185,9 @@ class LibraSpec(DrafterChoice, LinearSS):
             self.gammas: Counter = Counter()        # chosen length -> rounds
             self.widths: Counter = Counter()        # verify width -> rounds
             self.capped = 0
-            self.switch = ARSwitch()                # who drafts, who takes AR rounds
+            # who drafts, who takes AR rounds; the last run's best request is this one's prior
+            old = getattr(self, "switch", None)
+            self.switch = ARSwitch(old.first_bound if old is not None else None)
             self.by_rows: dict[int, list[int]] = {} # rows T was read at -> [Σγ, rounds]
 
     def cost_table(self, forward_ms: Callable[[int, int], float]) -> dict[int, tuple[float, ...]]:
@@ -214,13 +216,14 @@ class LibraSpec(DrafterChoice, LinearSS):
         (the profile's where `prices=profile`)."""
         return self.clock.time(rows, width, AR_VARIANT if width == AR_BLOCK else "")
 
-    def look_pays(self, rows: int | None = None) -> bool:
+    def look_pays(self, rows: int | None = None, first: bool = False) -> bool:
         """Could a look at the drafts after AR rounds pay: would a draft beat AR were it accepted
-        as far as the run's best request's so far (before any: all of it)?"""
+        as far as the run's best request's so far (before any: all of it)? first: a new
+        request's first round, judged at `ARSwitch.first_bound`."""
         rows = rows or self.run.rows
+        bound = (self.switch.first_bound if first else self.switch.best) if self.look_by_best else None
         return draft_could_pay(((w, self.price(rows, w)) for w in self.draft_blocks),
-                               self.price(rows, AR_BLOCK),
-                               self.switch.best if self.look_by_best else None)
+                               self.price(rows, AR_BLOCK), bound)
 
     def plans(self) -> list[Plan]:
         return [Plan(b, AR_VARIANT if b == AR_BLOCK else "") for b in self.blocks]
@@ -257,7 +260,8 @@ class LibraSpec(DrafterChoice, LinearSS):
             # at the step's rows, results/round_overhead_c14_zen4_1207.json).
             full = self.run.rows
             width = self.switch.next_block(seq, self.block, wanted,
-                                           lambda w: self.price(full, w), self.look_pays(full), self.widths)
+                                           lambda w: self.price(full, w), self.look_pays(full), self.widths,
+                                           first_pays=None if h else self.look_pays(full, first=True))
         else:
             width = wanted or seq.block or self.block
         if drafted or (h and width == AR_BLOCK):    # the rule's γ, or γ = 0 before an AR round
