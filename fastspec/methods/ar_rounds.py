@@ -31,8 +31,10 @@ each) cost more than it saved (LibraSpec 1.21x -> 1.07x AR, results/libraspec_ba
 with the average and no margin BASTION still took AR rounds in 57% of its rounds at C=1 (1.39x ->
 1.28x AR, results/libraspec_bastion_ar_c1_zen4_1207_ema.json), its profile-priced rate within 11%
 of AR's.
-    first round              AR where no draft could pay, or where the run has mostly taken AR
-                             rounds (`ARSwitch.first_is_ar`); else the method's start block
+    first round              AR where no draft could pay, drafting as well as the best request
+                             known (this run's, else the method's last run's: `first_bound`),
+                             or where the run has mostly taken AR rounds
+                             (`ARSwitch.first_is_ar`); else the method's start block
 
 An AR round is lossless as any: the seed's forward and the shared sampler. A drafter with a
 context (DFlash's ring) still learns the committed seed.
