@@ -170,9 +170,27 @@ class ARSwitch:
         # requests (mixed_round_ms; set by the planner before it plans a round), else None.
         self.round_ms: float | None = None
 
+    @classmethod
+    def after(cls, last: "ARSwitch | None") -> "ARSwitch":
+        """A new run's switch; the method's last run's best request (`first_bound`) its prior."""
+        return cls(last.first_bound if last is not None else None)
+
     @property
     def best(self) -> float | None:
         return self.drafts.best
+
+    def bound(self, first: bool, by_best: bool = True) -> float | None:
+        """`draft_could_pay`'s bound: a new request's first round is judged at `first_bound`, a
+        look at the run's own `best`; by_best False (a method's `look_by_best`): a perfect draft."""
+        if not by_best:
+            return None
+        return self.first_bound if first else self.best
+
+    def price_last_round(self, seqs, price_at: Callable[[int, int], float], mixed: bool = True) -> None:
+        """Before a round's plans: the price its drafting requests' last round is judged at where
+        it mixed them with AR requests (`mixed_round_ms` over the requests that ran it, seq.block
+        their last block); mixed False (a method's `price_mixed_rounds`): the caller's own price."""
+        self.round_ms = mixed_round_ms([q.block for q in seqs if q.host], price_at) if mixed else None
 
     @property
     def first_bound(self) -> float | None:

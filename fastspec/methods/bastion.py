@@ -49,7 +49,7 @@ import torch
 from fastspec.config import FastspecError
 from fastspec.graphs.keys import BATCH_BUCKETS, batch_bucket
 from fastspec.methods.ar_rounds import (AR_BLOCK, AR_VARIANT, ARSwitch, ar_round, draft_could_pay,
-                                        drafting_blocks, mixed_round_ms)
+                                        drafting_blocks)
 from fastspec.methods.base import Method, Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import (DrafterChoice, commit_path, draft_positions, draft_stats,
                                      make_drafter)
@@ -124,9 +124,7 @@ class BASTION(DrafterChoice, Method):
         self.clock = StepClock(self.estimate_ms, getattr(run, "step_ms", {}) if self.timed else {})
         if fresh:
             self.stats = {"rounds": 0, "wanted": 0, "nodes": 0, "budget": 0, "tokens": 0}
-            # who builds trees, who takes AR rounds; the last run's best request is this one's prior
-            old = getattr(self, "switch", None)
-            self.switch = ARSwitch(old.first_bound if old is not None else None)
+            self.switch = ARSwitch.after(getattr(self, "switch", None))     # who builds trees, who AR
             self.budget_rounds: dict[int, int] = {}
 
     def _costs(self, rows: int, budget: int) -> tuple[float, ...]:
@@ -155,17 +153,15 @@ class BASTION(DrafterChoice, Method):
         as far as the run's best request's so far (before any: all of it)? first: a new
         request's first round, judged at `ARSwitch.first_bound`. (A tree of n nodes emits at
         most min(n, draft block) tokens.)"""
-        bound = (self.switch.first_bound if first else self.switch.best) if self.look_by_best else None
+        bound = self.switch.bound(first, self.look_by_best)
         return draft_could_pay(((min(n, self.draft_block), self.price(n)) for n in self.tree_budgets),
                                self.price(AR_BLOCK), bound)
 
     def plan_round(self, seqs) -> list[Plan]:
-        # A round that mixed trees and AR rounds is judged at what it cost (mixed_round_ms).
-        self.switch.round_ms = None
-        if self.ar and self.price_mixed_rounds:
-            self.switch.round_ms = mixed_round_ms(
-                [q.block for q in seqs if q.host],
-                lambda n, b: self.clock.time(batch_bucket(n), b, AR_VARIANT if b == AR_BLOCK else ""))
+        # A round that mixed trees and AR rounds is judged at what it cost.
+        self.switch.price_last_round(
+            seqs, lambda n, b: self.clock.time(batch_bucket(n), b, AR_VARIANT if b == AR_BLOCK else ""),
+            self.ar and self.price_mixed_rounds)
         return [self.plan(seq) for seq in seqs]
 
     def plan(self, seq) -> Plan:

@@ -48,8 +48,7 @@ from __future__ import annotations
 import torch
 
 from fastspec.config import FastspecError
-from fastspec.methods.ar_rounds import (AR_BLOCK, AR_VARIANT, ARSwitch, ar_round, draft_could_pay,
-                                        mixed_round_ms)
+from fastspec.methods.ar_rounds import AR_BLOCK, AR_VARIANT, ARSwitch, ar_round, draft_could_pay
 from fastspec.methods.base import Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import (DrafterChoice, commit_path, draft_positions,
                                      draft_stats_and_alternatives, make_drafter, verify_chain)
@@ -121,9 +120,7 @@ class D2SD(DrafterChoice, LinearSS):
             self.chain_tokens = 0                   # what the chain alone would have committed
             self.covered, self.extra, self.hits_laid = [0] * K, [0] * K, [0] * K
             self.chosen: dict[int, int] = {}        # branches laid out -> rounds
-            # who drafts, who takes AR rounds; the last run's best request is this one's prior
-            old = getattr(self, "switch", None)
-            self.switch = ARSwitch(old.first_bound if old is not None else None)
+            self.switch = ARSwitch.after(getattr(self, "switch", None))   # who drafts, who takes AR rounds
             self.block_rounds: dict[int, int] = {}  # AR_BLOCK or the block -> rounds
 
     def nodes(self, k: int | None = None) -> int:
@@ -204,7 +201,7 @@ class D2SD(DrafterChoice, LinearSS):
         """Would a chain round beat AR were it accepted as far as the run's best request's so far
         (before any: every draft, `block` tokens)? first: a new request's first round, judged at
         `ARSwitch.first_bound`."""
-        bound = (self.switch.first_bound if first else self.switch.best) if self.look_by_best else None
+        bound = self.switch.bound(first, self.look_by_best)
         return draft_could_pay([(self.block, self.price(self.block, 0))], self.price(AR_BLOCK, 0), bound)
 
     def observe(self, seq) -> None:
@@ -233,13 +230,11 @@ class D2SD(DrafterChoice, LinearSS):
         tokens per ms against AR's, each priced at the k it ran)."""
         for q in seqs:
             self.observe(q)
-        # A round that mixed drafting and AR rounds is judged at what it cost (mixed_round_ms).
-        self.switch.round_ms = None
-        if self.ar and self.price_mixed_rounds:
-            ran = [q for q in seqs if q.host]       # (D2SD's steps all run at the batch's rows)
-            last_k = next((q.state.get("branches", 0) for q in ran if q.block != AR_BLOCK), 0)
-            self.switch.round_ms = mixed_round_ms([q.block for q in ran],
-                                                  lambda n, b: self.price(b, last_k))
+        # A round that mixed drafting and AR rounds is judged at what it cost (D2SD's steps all
+        # run at the batch's rows, its drafting step at the k it laid out).
+        last_k = next((q.state.get("branches", 0) for q in seqs if q.host and q.block != AR_BLOCK), 0)
+        self.switch.price_last_round(seqs, lambda n, b: self.price(b, last_k),
+                                     self.ar and self.price_mixed_rounds)
         k, look_pays = self.choose_branches(), self.ar and self.look_pays()
         first_pays = self.ar and self.look_pays(first=True)
         plans = []

@@ -71,7 +71,7 @@ import torch
 from fastspec.config import FastspecError
 from fastspec.graphs.keys import BATCH_BUCKETS, batch_bucket
 from fastspec.methods.ar_rounds import (AR_BLOCK, AR_VARIANT, ARSwitch, ar_round, drafting_blocks,
-                                        draft_could_pay, mixed_round_ms)
+                                        draft_could_pay)
 from fastspec.methods.base import Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import DrafterChoice, chain_round, make_drafter
 from fastspec.methods.linear import BLOCK_SIZES, LinearSS
@@ -185,9 +185,7 @@ class LibraSpec(DrafterChoice, LinearSS):
             self.gammas: Counter = Counter()        # chosen length -> rounds
             self.widths: Counter = Counter()        # verify width -> rounds
             self.capped = 0
-            # who drafts, who takes AR rounds; the last run's best request is this one's prior
-            old = getattr(self, "switch", None)
-            self.switch = ARSwitch(old.first_bound if old is not None else None)
+            self.switch = ARSwitch.after(getattr(self, "switch", None))   # who drafts, who takes AR rounds
             self.by_rows: dict[int, list[int]] = {} # rows T was read at -> [Σγ, rounds]
 
     def cost_table(self, forward_ms: Callable[[int, int], float]) -> dict[int, tuple[float, ...]]:
@@ -221,7 +219,7 @@ class LibraSpec(DrafterChoice, LinearSS):
         as far as the run's best request's so far (before any: all of it)? first: a new
         request's first round, judged at `ARSwitch.first_bound`."""
         rows = rows or self.run.rows
-        bound = (self.switch.first_bound if first else self.switch.best) if self.look_by_best else None
+        bound = self.switch.bound(first, self.look_by_best)
         return draft_could_pay(((w, self.price(rows, w)) for w in self.draft_blocks),
                                self.price(rows, AR_BLOCK), bound)
 
@@ -241,11 +239,9 @@ class LibraSpec(DrafterChoice, LinearSS):
         return next((b for b in self.draft_blocks if b >= need), self.draft_blocks[-1])
 
     def plan_round(self, seqs) -> list[Plan]:
-        # A round that mixed drafting and AR rounds is judged at what it cost (mixed_round_ms).
-        self.switch.round_ms = None
-        if self.ar and self.price_mixed_rounds:
-            self.switch.round_ms = mixed_round_ms([q.block for q in seqs if q.host],
-                                                  lambda n, w: self.price(batch_bucket(n), w))
+        # A round that mixed drafting and AR rounds is judged at what it cost.
+        self.switch.price_last_round(seqs, lambda n, w: self.price(batch_bucket(n), w),
+                                     self.ar and self.price_mixed_rounds)
         return [self.plan(seq) for seq in seqs]
 
     def plan(self, seq) -> Plan:
