@@ -185,7 +185,8 @@ def cli():
                    "brackets, e.g. 'bastion[budgets=8/16]' or 'libraspec[drafter=dflash]' (draft with "
                    "the model's DFlash drafter). Accepted draft tokens are shown in green.")
 @click.option("--block", type=int, default=None,
-              help="Draft block size for speculative methods (4, 8, 16 or 32). Default: 8 (TiDAR: 4).")
+              help="Draft block size for speculative methods (4, 8, 16 or 32). Default: 8 (TiDAR: its own "
+                   "per run, from the device's profile).")
 @click.option("--prompt", "-p", default=None, help="Answer this one prompt and exit.")
 @click.option("--system", default=None, help="System message (default: the chat template's).")
 @user_errors
@@ -267,7 +268,7 @@ def chat(model, dtype, device, weights, dflash, adapter, backend, max_new_tokens
                    "tidar, dflash (options in brackets, e.g. 'tidar[block=4]'). AR always runs as the reference.")
 @click.option("--block", "blocks", default=None,
               help="Draft block size(s) for speculative methods; a list (8,16,32) sweeps them. "
-                   "Default: 8 (TiDAR: 4, its B + B² tokens a forward).")
+                   "Default: 8 (TiDAR: its own per run from the device's profile, its B + B² tokens a forward).")
 @click.option("--concurrency", default="1", show_default=True,
               help="Comma-separated numbers of requests decoded together, e.g. 1,2,8,32.")
 @click.option("--max-new-tokens", type=int, default=None,

@@ -87,8 +87,8 @@ DEFAULT_BLOCK = 8
 
 
 def default_block(method: str) -> int:
-    """The block a method runs at when --block is not given: its own `bench_block` (TiDAR: 4),
-    else DEFAULT_BLOCK."""
+    """The block a method runs at when --block is not given: its own `bench_block` (TiDAR:
+    "auto", its own choice per run from the device's profile), else DEFAULT_BLOCK."""
     from fastspec.methods import METHODS, parse_method_spec
     name = parse_method_spec(method)[0]
     return (METHODS[name].bench_block if name in METHODS else None) or DEFAULT_BLOCK
@@ -97,7 +97,7 @@ def default_block(method: str) -> int:
 def parse_methods(methods: str, blocks: list[int] | None, baseline: bool) -> list[tuple[str, str, int | None]]:
     """[(label, method, block)]: AR first as the reference; a block sweep labels `linear@16`.
     blocks None (no --block): every method at DEFAULT_BLOCK, or at its own `bench_block`
-    (TiDAR: 4); a block in the spec's brackets wins either way."""
+    (TiDAR: "auto"); a block in the spec's brackets wins either way."""
     from fastspec.methods import METHODS, parse_method_spec
     names = list(dict.fromkeys(split_methods(methods)))
     if not names:

@@ -359,17 +359,19 @@ def test_bench_runs_the_dflash_drafted_methods_from_a_dflash_folder(tmp_path, ad
 
 
 def test_bench_gives_tidar_its_own_block_unless_a_block_is_asked_for():
-    """No --block: the suite's B = 8, except TiDAR (B + B² tokens a forward) at its own 4; an
-    explicit --block applies to every method; a block in the spec's brackets wins."""
+    """No --block: the suite's B = 8, except TiDAR (B + B² tokens a forward), which chooses its
+    own from the device's profile (auto); an explicit --block applies to every method; a block
+    in the spec's brackets wins."""
     from fastspec.evals.runner import parse_methods
     assert parse_methods("linear,tidar,bastion", None, True) == [
-        ("ar", "ar", None), ("linear", "linear", 8), ("tidar", "tidar", 4), ("bastion", "bastion", 8)]
+        ("ar", "ar", None), ("linear", "linear", 8), ("tidar", "tidar", "auto"), ("bastion", "bastion", 8)]
     assert parse_methods("linear,tidar", [16], False) == [("linear", "linear", 16), ("tidar", "tidar", 16)]
-    assert parse_methods("tidar[block=2]", None, False) == [("tidar[block=2]", "tidar[block=2]", 4)]
+    assert parse_methods("tidar[block=2]", None, False) == [("tidar[block=2]", "tidar[block=2]", "auto")]
     from fastspec.evals.runner import default_block
     from fastspec.methods import get_method
-    assert get_method("tidar[block=2]", block=4).block == 2
-    assert (default_block("tidar[seed=guess]"), default_block("linear"), default_block("ar")) == (4, 8, 8)
+    assert get_method("tidar[block=2]", block="auto").block == 2
+    assert get_method("tidar", block="auto").auto and not get_method("tidar", block=4).auto
+    assert (default_block("tidar[seed=guess]"), default_block("linear"), default_block("ar")) == ("auto", 8, 8)
 
 
 def test_interleaved_bench_changes_the_clock_not_the_tokens(tmp_path, adapter_dir):

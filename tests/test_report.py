@@ -141,7 +141,7 @@ def test_table1_reads_each_method_at_its_own_block_size():
 
 
 def test_table1_reads_the_block_a_run_recorded_without_a_run_wide_block():
-    """bench without --block: TiDAR ran at its own B=4 and its run says so; Table 1 reads its
+    """bench without --block: TiDAR ran at its own B (here 4) and its run says so; Table 1 reads its
     rounds of 4 (a fully accepted 4-block is 'high'), not the suite's 8."""
     from fastspec.evals.recguide_report import print_tables
     records = [rec("gsm8k", "tidar", 1, 20, [4, 4, 1, 4, 2], 1.0)]

@@ -375,3 +375,80 @@ class UniformClaim(TiDAR):
 def test_the_law_check_sees_wrong_draft_probabilities(pair_law):
     tv, _, _ = sampled_pair_tv(*pair_law, UniformClaim(block=3))
     assert tv[1] > 0.08, tv
+
+
+# --- the block size is the device's choice ------------------------------------------------------
+def test_expected_commit_is_the_geometric_sum_of_the_accepted_run():
+    # V(B) = 1 + a + ... + a^(B-1): B = 3, a = 0.5 -> 1.75; a perfect draft commits the block
+    assert TiDAR.expected_commit(3, 0.5) == pytest.approx(1.75)
+    assert TiDAR.expected_commit(4, 0.0) == 1.0 and TiDAR.expected_commit(4, 1.0) == 4.0
+
+
+def test_the_acceptance_rate_is_learned_from_warm_rounds_only():
+    """a = (accepted + 1) / (accepted + rejections + 2) over the rounds that verified a
+    pre-draft: the cold round's ordinary draft is left out."""
+    from types import SimpleNamespace
+    m = TiDAR(block=3)
+    assert m.accept_rate() == 0.5                               # Laplace: no data yet
+    seq = SimpleNamespace(host=None)
+    hosts = [None,                  # first round: cold
+             [0, 2, 1],             # the cold round accepted 2: not counted; next is warm
+             [0, 2, 1],             # warm, whole block accepted: 2 drafts, no rejection
+             [1, 0, 1]]             # warm, first draft rejected: 0 drafts, 1 rejection
+    variants = []
+    for h in hosts:
+        seq.host = h
+        variants.append(m.plan(seq).variant)
+    assert variants == ["cold", "warm", "warm", "warm"]
+    assert (m.accepted_drafts, m.rejections) == (2, 1)
+    assert m.accept_rate() == pytest.approx(3 / 5)
+
+
+def test_the_profile_picks_the_block_and_a_small_gain_does_not_change_it():
+    m = TiDAR()
+    m.accepted_drafts, m.rejections = 8, 2                      # a = 0.75
+
+    def flat_then_steep(rows, tokens):  # a GPU-like device: flat to 12 tokens a row
+        return 10.0 if tokens <= 12 else 10.0 * tokens
+    assert m.choose_block(1, flat_then_steep) == 3              # 6 and 12 tokens cost the same
+    assert m.report()["block_choice"]["block"] == 3
+    # A CPU-like device, every token paid: 6 tokens beat 12 by far
+    assert m.choose_block(1, lambda rows, tokens: float(tokens) ** 2) == 2
+    m.block = 2
+    # B = 3 only 2% faster than the current B = 2: keep 2 (its steps are built)
+    v2, v3 = TiDAR.expected_commit(2, 0.75), TiDAR.expected_commit(3, 0.75)
+    t3 = 100.0 * v3 / v2 / 1.02
+
+    def near(rows, tokens):
+        return {6: 100.0, 12: t3}.get(tokens, 1e9)
+    assert m.choose_block(1, near) == 2
+    assert m.choose_block(1, lambda r, t: {6: 100.0, 12: t3 / 1.1}.get(t, 1e9)) == 3
+
+
+def test_auto_tidar_runs_the_chosen_block_and_equals_ar(drafter):
+    """block=auto: each run takes the block its device's costs and the acceptance so far
+    choose, builds that block's steps, and stays AR's tokens, the block changing between runs."""
+    engine = Engine(drafter, backend="eager")
+    ps = prompts(5, seed=12)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ar = engine.generate(ps, params, method="ar", concurrency=2)
+    m = TiDAR()
+    engine._forward_cost = lambda rows, tokens: 10.0 if tokens <= 12 else 10.0 * tokens
+    out = engine.generate(ps, params, method=m, concurrency=2)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    assert m.block == 3 and m.report()["block"] == 3
+    assert m.accepted_drafts + m.rejections > 0                 # a learned from this run
+    assert m.rejections <= m.report()["warm_rounds"]
+    engine._forward_cost = lambda rows, tokens: float(tokens) ** 2
+    out = engine.generate(ps, params, method=m, concurrency=2)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    assert m.block == 2
+    ran = {k.method for k in engine.runner.stats()}
+    assert {"tidar(B=3,seed=mask)", "tidar(B=2,seed=mask)"} <= ran
+
+
+def test_a_block_outside_the_range_is_one_clear_error():
+    from fastspec.config import FastspecError
+    for bad in (1, 17, "big", 2.5):
+        with pytest.raises(FastspecError, match="auto or an integer"):
+            TiDAR(block=bad)

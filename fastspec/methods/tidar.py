@@ -51,6 +51,19 @@ Cold start: a request's first round has no pre-draft and runs LinearSS's draft f
 
 Cost: B + B² tokens per forward (B = 4: 20; B = 8: 72). The logits of the B·B pre-draft tokens are
 all computed, though only one sub-block's are read (the head runs before the verifier decides).
+
+Block size (`block=auto`, the default): a forward's tokens grow as B², so B is the device's
+choice, made per run (each `generate`, each part of an interleaved bench) before its steps are
+built: argmax over BLOCK_CHOICES of V(B) / T(C, B + B²), T from the device's profile at the run's
+batch bucket and V(B) = (1 − a^B) / (1 − a) the expected commit of a round (1 + Σ_{k<B} a^k) when
+each warm verify position is accepted with probability a given the ones before it. a is the
+method's own: (accepted + 1) / (accepted + rejections + 2) over its warm rounds on this engine so
+far (Laplace's rule: 0.5 before any round; cold rounds verify ordinary drafts, not pre-drafts,
+and are left out). A run keeps the last run's B unless another is CHANGE_MARGIN faster, so an
+interleaved bench does not rebuild steps for a 1% difference. With the shipped profiles: a 2-core
+Zen 4 at fp32 (T(6) = 22.4 ms, T(12) = 34.1, T(20) = 49.8, T(72) = 152 at C=1) picks B = 2 for
+every a up to 0.95, at C = 1, 4, 16; an H200 at C=1 picks B = 6 at a = 0.5 and 12 at a = 0.8
+(3 and 6 at C=16). `block=N` fixes B.
 """
 from __future__ import annotations
 
@@ -70,6 +83,8 @@ STREAM_PREDRAFT = 24            # the random stream of the selected sub-block's 
 # the accepted count (= the selected sub-block), a pre-draft is carried.
 H_SEED_HIT, H_ACCEPTED, H_VALID = 0, 1, 2
 MIN_BLOCK, MAX_BLOCK = 2, 16
+BLOCK_CHOICES = (2, 3, 4, 6, 8, 12, 16)     # what `block=auto` chooses from
+CHANGE_MARGIN = 1.05                        # ... and how much faster another B must look
 
 
 class TiDAR(LinearSS):
@@ -77,39 +92,74 @@ class TiDAR(LinearSS):
     layout = "tidar"
     # One block size for every request, one step per variant (cold rows and warm rows).
     bucketing = False
-    # Not the suite's B = 8 unless asked: a B = 8 round is one 72-token forward, 2-3x a B = 4
-    # round's 20 tokens on a CPU for about the same tokens per forward (see __init__).
-    bench_block = 4
+    # `fastspec bench` without --block: TiDAR's own choice from the device's profile, not the
+    # suite's B = 8 (a B = 8 round is one 72-token forward; on a CPU 3x a B = 4 round's 20 tokens).
+    bench_block = "auto"
 
-    def __init__(self, block: int = bench_block, seed: str = "mask"):
+    def __init__(self, block: int | str = "auto", seed: str = "mask"):
         """seed: how the correction sub-blocks start: "mask" (seedless, TiDAR's layout) or
         "guess" (the draft's alternative token).
-        block: B, the verify width; a round's forward has B + B² tokens per row. Default 4:
-        on this CPU (SmolLM2-135M, fp32, eager, 1 thread, 2 GSM8K prompts × 64 tokens, greedy)
-        a B = 8 round (72 tokens) took 402 ms against 180 ms at B = 4 (20 tokens), for 1.54
-        against 1.44 tokens per forward."""
-        if not isinstance(block, int) or not MIN_BLOCK <= block <= MAX_BLOCK:
-            raise FastspecError(f"--block for tidar must be an integer in {MIN_BLOCK}..{MAX_BLOCK}, "
+        block: B, the verify width; a round's forward has B + B² tokens per row. "auto": chosen
+        per run from the device's profile and the acceptance seen so far (module docstring)."""
+        auto = block == "auto"
+        if not auto and (not isinstance(block, int) or not MIN_BLOCK <= block <= MAX_BLOCK):
+            raise FastspecError(f"--block for tidar must be auto or an integer in {MIN_BLOCK}..{MAX_BLOCK}, "
                                 f"got {block!r}")
         if seed not in ("guess", "mask"):
             raise FastspecError(f"tidar: seed must be mask or guess, got {seed!r}")
-        Method.__init__(self, block)
-        self.seed = seed
+        Method.__init__(self, 4 if auto else block)     # (auto: until the first run chooses)
+        self.auto, self.seed = auto, seed
         self.eos_ids: tuple[int, ...] = ()
+        # Warm verify positions seen on this engine (every run, every B): drafts accepted, and
+        # rejections (a round that stopped before its last draft). Not reset by begin().
+        self.accepted_drafts = 0
+        self.rejections = 0
+        self._warm_last: set[int] = set()              # requests whose last plan was warm
+        self.block_choice: dict = {}
         self.begin(None)
 
     # --- host side --------------------------------------------------------------------------
     def key_name(self) -> str:
         return f"tidar(B={self.block},seed={self.seed})"
 
+    def timing_name(self) -> str:
+        # Read before begin() chooses B; step times are kept per (rows, width, variant) anyway.
+        return f"tidar(B=auto,seed={self.seed})" if self.auto else self.key_name()
+
     @property
     def seedless(self) -> bool:
         """Correction sub-blocks are `[M×B]` (a Python flag: fixed at trace time)."""
         return self.seed == "mask"
 
+    def accept_rate(self) -> float:
+        """a: P(a warm verify position is accepted | the ones before it were), Laplace's rule."""
+        return (self.accepted_drafts + 1) / (self.accepted_drafts + self.rejections + 2)
+
+    @staticmethod
+    def expected_commit(block: int, a: float) -> float:
+        """V(B) = 1 + a + ... + a^(B-1): tokens a round commits (accepted drafts + the verifier's
+        own token) when each of its B-1 drafts is accepted with probability a after the last."""
+        return float(block) if a >= 1.0 else (1.0 - a ** block) / (1.0 - a)
+
+    def choose_block(self, rows: int, forward_ms) -> int:
+        """argmax_B V(B) / T(rows, B + B²) over BLOCK_CHOICES; the current B unless another is
+        CHANGE_MARGIN faster. Records what it weighed in `block_choice` (the report's)."""
+        a = self.accept_rate()
+        rate = {b: self.expected_commit(b, a) / max(forward_ms(rows, b + b * b), 1e-9)
+                for b in BLOCK_CHOICES}
+        best = max(rate, key=rate.get)
+        if self.block_choice and rate[best] < CHANGE_MARGIN * rate[self.block]:
+            best = self.block
+        self.block_choice = {"accept_rate": round(a, 4), "rows": rows, "block": best,
+                             "tokens_per_ms": {str(b): round(r, 5) for b, r in rate.items()}}
+        return best
+
     def begin(self, run) -> None:
         if run is not None:
             self.eos_ids = tuple(sorted(run.eos_ids))
+            if self.auto:
+                self.block = self.choose_block(run.rows, run.forward_ms)
+        self._warm_last = set()
         if fresh_counts(run):
             self.seqs: dict = {}            # this run's requests (report() reads their counts)
             self.seed_trials = 0            # rounds whose pre-draft a next round verified
@@ -124,17 +174,25 @@ class TiDAR(LinearSS):
 
     def plan(self, seq) -> Plan:
         h = seq.host
+        if h and id(seq) in self._warm_last:        # the round just read was warm: a's data
+            self.accepted_drafts += h[H_ACCEPTED]
+            self.rejections += h[H_ACCEPTED] < self.block - 1
         if h and h[H_VALID]:
             self.seed_trials += 1
             self.seed_hits += h[H_SEED_HIT]
+            self._warm_last.add(id(seq))
             return Plan(self.block, "warm")
+        self._warm_last.discard(id(seq))
         return Plan(self.block, "cold")
 
     def forwards_for(self, variant: str) -> int:
         return 2 if variant == "cold" else 1
 
     def max_width(self) -> int:
-        return self.block * (1 + self.block)
+        # Before a run has chosen (`bench` reserves the cache for every method first): the
+        # widest B it may choose, so the cache always has the headroom.
+        b = max(BLOCK_CHOICES) if self.auto and not self.block_choice else self.block
+        return b * (1 + b)
 
     def carry_spec(self, vocab_size: int, sampled: bool = False) -> dict[str, CarrySpec]:
         n = self.block
@@ -158,7 +216,8 @@ class TiDAR(LinearSS):
         return {"rounds": rounds, "cold_rounds": cold, "warm_rounds": rounds - cold,
                 "seed_trials": self.seed_trials, "seed_hits": self.seed_hits,
                 "seed_hit_share": self.seed_hits / max(self.seed_trials, 1),
-                "tau": committed / max(rounds, 1),
+                "tau": committed / max(rounds, 1), "block": self.block,
+                **({"block_choice": dict(self.block_choice)} if self.block_choice else {}),
                 "tokens_per_forward": sum(len(s.output_ids) for s in seqs) / max(forwards, 1),
                 "decode_tokens_per_forward": committed / max(forwards - prefills, 1)}
 
