@@ -253,3 +253,18 @@ def test_the_tree_methods_show_their_decisions_and_every_timed_step():
     assert re.search(r"d2sd\W+1\W+12\W+0:75% 2:25%\W+17% 7%\W+2\.15 2\.50\W+3\.15\W+measured", text)
     assert re.search(r"bastion\W+1\W+9\W+4\.9\W+8\.0\W+8\.0\W+3\.43\W+10%\W+2\W+profile", text)
     assert re.search(r"d2sd\W+1\W+1x8:k0\W+52\.9\W+48\.0\W+-9%", text)
+
+
+def test_tidar_shows_the_block_it_chose_and_why():
+    """block=auto: the report names the block each run took, the acceptance rate it judged by
+    and the tokens per ms its best blocks promised."""
+    from fastspec.evals.recguide_report import print_tables
+    rep = {"rounds": 40, "tau": 1.59, "block": 2, "seed_hit_share": 0.0,
+           "block_choice": {"accept_rate": 0.5918, "rows": 1, "block": 2,
+                            "tokens_per_ms": {"2": 0.07105, "3": 0.05697, "4": 0.04313, "8": 0.0159}}}
+    runs = [{"method": "tidar", "concurrency": 1, "tokens_per_s": 1.0, "tokens_per_forward": 1.0,
+             "method_report": rep}]
+    console = Console(record=True, width=200)
+    print_tables(console, runs, [], block=None)
+    text = console.export_text()
+    assert re.search(r"tidar\W+1\W+1\W+0\.59\W+2\W+2:0\.0711 3:0\.0570 4:0\.0431\W+1\.59\W+0%", text)
