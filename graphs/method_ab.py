@@ -43,6 +43,24 @@ def parse_arm(arm: str) -> tuple[str, dict]:
     return spec, attrs
 
 
+def arm_specs(arms: list[str], model: str, as_written: bool = False) -> list[tuple[str, str, dict]]:
+    """(arm, method spec, attribute overrides) per arm, each spec completed as `fastspec bench
+    --method` completes it (RecGuide: the default block set and the shipped survival tables, a
+    spec's own options winning), so "recguide" here is the method users run; as_written: the
+    specs as they are (a bare recguide: fixed B=8, no tables).
+
+        ["ar", "recguide@look_by_best=0"] -> [("ar", "ar", {}), ("recguide@look_by_best=0",
+            "recguide[blocks=1/4/8/16/32;tables=profiles/...-survival.json]", {"look_by_best": 0})]
+    """
+    out = []
+    for arm in arms:
+        spec, attrs = parse_arm(arm)
+        if not as_written:
+            spec = with_recguide_options(spec, model, adaptive_blocks=DEFAULT_RECGUIDE_BLOCKS)
+        out.append((arm, spec, attrs))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arm", action="append", required=True, help="method spec[@attr=value...]")
@@ -67,11 +85,7 @@ def main() -> None:
     prompts = [eng.render_chat(build_messages(p)) for _, p in probs]
     groups = {b: [x for x, (bb, _) in zip(prompts, probs) if bb == b] for b in benches}   # one run each
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    # An arm's spec gets what `fastspec bench --method` gives it (RecGuide: the default block set
-    # and the shipped survival tables), so "recguide" here is the method users run.
-    complete = ((lambda spec: spec) if args.as_written else
-                (lambda spec: with_recguide_options(spec, args.model, adaptive_blocks=DEFAULT_RECGUIDE_BLOCKS)))
-    arms = [(a, complete(spec), attrs) for a in args.arm for spec, attrs in [parse_arm(a)]]
+    arms = arm_specs(args.arm, args.model, args.as_written)
     # Arms of one spec share its instance: before each run every attribute any of them sets is
     # put back to the arm's value or the instance's own, so no override leaks into another arm.
     defaults: dict[str, dict] = {}

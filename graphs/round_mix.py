@@ -7,9 +7,8 @@ and its steps by (variant, block, requests), each with its count and mean wall t
         --json results/round_mix_c4.json
 
 A method is a `--method` spec, optionally with `@attr=value` overrides set on its instance for its
-own runs (graphs/method_ab.py's arms). A plain `recguide` is the one `fastspec bench` runs (its
-default blocks 1/4/8/16/32 and survival tables folded in, as the CLI does), not the library's
-fixed B=8; `recguide[blocks=8]` asks for that.
+own runs, each completed as `fastspec bench` completes it (graphs/method_ab.py's arms: a plain
+`recguide` gets the default blocks 1/4/8/16/32 and survival tables, not the library's fixed B=8).
 
 Prompts: the first --limit of each --bench, chat-rendered, greedy, --max-new-tokens each; the
 benchmarks' prompts run in groups of C (one `generate` per group, the method's counts kept from
@@ -30,21 +29,6 @@ def round_kind(variants: list[str]) -> str:
     return "mixed" if "ar" in variants else "drafting_only"
 
 
-def arm_specs(methods: str, model: str) -> list[tuple[str, str, dict]]:
-    """(label, method spec, attribute overrides) per --method entry; a plain `recguide` gets the
-    options `fastspec bench` gives it (its default block set and survival tables).
-
-        "ar,recguide@look_by_best=0" -> [("ar", "ar", {}), ("recguide@look_by_best=0",
-            "recguide[blocks=1/4/8/16/32;tables=profiles/...-survival.json]", {"look_by_best": 0})]
-    """
-    from fastspec.cli.main import DEFAULT_RECGUIDE_BLOCKS, with_recguide_options
-    from fastspec.evals.runner import split_methods
-    from fastspec.graphs.method_ab import parse_arm
-    arms = [(label, *parse_arm(label)) for label in split_methods(methods)]
-    return [(label, with_recguide_options(spec, model, adaptive_blocks=DEFAULT_RECGUIDE_BLOCKS)
-             if spec == "recguide" else spec, attrs) for label, spec, attrs in arms]
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--method", default="ar,d2sd,bastion,libraspec")
@@ -61,8 +45,9 @@ def main(argv=None) -> None:
     from fastspec.cli.main import load_engine
     from fastspec.evals.data import load_benchmark
     from fastspec.evals.prompts import build_messages
+    from fastspec.evals.runner import split_methods
     from fastspec.graphs import kernels
-    from fastspec.graphs.method_ab import parse_arm
+    from fastspec.graphs.method_ab import arm_specs
     from fastspec.graphs.profile import device_name
     from fastspec.sampling import SamplingParams
 
@@ -87,7 +72,7 @@ def main(argv=None) -> None:
                               "threads": torch.get_num_threads(), "concurrency": C,
                               "benches": a.bench, "limit": a.limit, "max_new_tokens": a.max_new_tokens},
               "methods": {}}
-    arms = arm_specs(a.method, a.model)
+    arms = arm_specs(split_methods(a.method), a.model)
     for rep in range(a.reps):
         for method, spec, attrs in arms:
             m = eng.method(spec)

@@ -11,11 +11,15 @@ def test_a_round_is_ar_only_drafting_only_or_mixed_by_its_steps_variants():
 
 
 def test_a_plain_recguide_arm_is_the_one_bench_runs():
-    """round_mix's `recguide` is fastspec bench's (blocks 1/4/8/16/32, survival tables), not
-    the library's fixed B=8; explicit brackets and other methods pass through."""
-    from fastspec.graphs.round_mix import arm_specs
-    arms = arm_specs("ar,recguide@look_by_best=0,recguide[blocks=8],d2sd", "smollm2-135m")
+    """round_mix's and method_ab's `recguide` is fastspec bench's (blocks 1/4/8/16/32, survival
+    tables), not the library's fixed B=8; a spec's own options win; other methods pass through;
+    --as-written keeps the specs as they are."""
+    from fastspec.evals.runner import split_methods
+    from fastspec.graphs.method_ab import arm_specs
+    arms = arm_specs(split_methods("ar,recguide@look_by_best=0,recguide[blocks=8],d2sd"), "smollm2-135m")
     assert [a[0] for a in arms] == ["ar", "recguide@look_by_best=0", "recguide[blocks=8]", "d2sd"]
-    label, spec, attrs = arms[1]
-    assert spec.startswith("recguide[blocks=1/4/8/16/32") and attrs == {"look_by_best": 0}
-    assert arms[2][1] == "recguide[blocks=8]" and arms[0][1:] == ("ar", {})
+    tables = "profiles/smollm2-135m-survival.json"
+    assert arms[1][1:] == (f"recguide[blocks=1/4/8/16/32;tables={tables}]", {"look_by_best": 0})
+    assert arms[2][1] == f"recguide[blocks=8;tables={tables}]"
+    assert arms[0][1:] == ("ar", {}) and arms[3][1:] == ("d2sd", {})
+    assert arm_specs(["recguide"], "smollm2-135m", as_written=True) == [("recguide", "recguide", {})]

@@ -390,7 +390,7 @@ def test_the_acceptance_rate_is_learned_from_warm_rounds_only():
     from types import SimpleNamespace
     m = TiDAR(block=3)
     assert m.accept_rate() == 0.5                               # Laplace: no data yet
-    seq = SimpleNamespace(host=None)
+    seq = SimpleNamespace(host=None, state={})
     hosts = [None,                  # first round: cold
              [0, 2, 1],             # the cold round accepted 2: not counted; next is warm
              [0, 2, 1],             # warm, whole block accepted: 2 drafts, no rejection

@@ -114,7 +114,6 @@ class TiDAR(LinearSS):
         # rejections (a round that stopped before its last draft). Not reset by begin().
         self.accepted_drafts = 0
         self.rejections = 0
-        self._warm_last: set[int] = set()              # requests whose last plan was warm
         self.block_choice: dict = {}
         self.begin(None)
 
@@ -159,7 +158,6 @@ class TiDAR(LinearSS):
             self.eos_ids = tuple(sorted(run.eos_ids))
             if self.auto:
                 self.block = self.choose_block(run.rows, run.forward_ms)
-        self._warm_last = set()
         if fresh_counts(run):
             self.seqs: dict = {}            # this run's requests (report() reads their counts)
             self.seed_trials = 0            # rounds whose pre-draft a next round verified
@@ -174,15 +172,14 @@ class TiDAR(LinearSS):
 
     def plan(self, seq) -> Plan:
         h = seq.host
-        if h and id(seq) in self._warm_last:        # the round just read was warm: a's data
+        if h and seq.state.get("warm"):             # the round just read was warm: a's data
             self.accepted_drafts += h[H_ACCEPTED]
             self.rejections += h[H_ACCEPTED] < self.block - 1
-        if h and h[H_VALID]:
+        seq.state["warm"] = bool(h and h[H_VALID])
+        if seq.state["warm"]:
             self.seed_trials += 1
             self.seed_hits += h[H_SEED_HIT]
-            self._warm_last.add(id(seq))
             return Plan(self.block, "warm")
-        self._warm_last.discard(id(seq))
         return Plan(self.block, "cold")
 
     def forwards_for(self, variant: str) -> int:
