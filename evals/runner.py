@@ -86,7 +86,7 @@ def split_methods(methods: str) -> list[str]:
 DEFAULT_BLOCK = 8
 
 
-def default_block(method: str) -> int:
+def default_block(method: str) -> int | str:
     """The block a method runs at when --block is not given: its own `bench_block` (TiDAR:
     "auto", its own choice per run from the device's profile), else DEFAULT_BLOCK."""
     from fastspec.methods import METHODS, parse_method_spec
@@ -94,7 +94,7 @@ def default_block(method: str) -> int:
     return (METHODS[name].bench_block if name in METHODS else None) or DEFAULT_BLOCK
 
 
-def parse_methods(methods: str, blocks: list[int] | None, baseline: bool) -> list[tuple[str, str, int | None]]:
+def parse_methods(methods: str, blocks: list[int] | None, baseline: bool) -> list[tuple[str, str, int | str | None]]:
     """[(label, method, block)]: AR first as the reference; a block sweep labels `linear@16`.
     blocks None (no --block): every method at DEFAULT_BLOCK, or at its own `bench_block`
     (TiDAR: "auto"); a block in the spec's brackets wins either way."""

@@ -102,7 +102,7 @@ class Method:
     price_mixed_rounds = True
     clock = None                    # ... through this StepClock (methods/step_clock.py), set in begin()
     # The block `fastspec bench` gives it when --block is not set (None: the suite's 8).
-    bench_block: int | None = None
+    bench_block: int | str | None = None     # ("auto": the method chooses per run, TiDAR)
 
     def __init__(self, block: int = 16):
         self.block = block
