@@ -126,12 +126,12 @@ def test_planner_moves_the_budget_with_the_tree_the_rule_wanted():
     assert m.plan(seq).block == 16                       # no round yet: the starting budget
     # wanted = budget + 1: the rule would have gone on past the budget.
     for wanted, budget, nxt in ((5, 16, 8), (8, 8, 8), (9, 8, 16), (12, 16, 16), (17, 16, 32),
-                                (33, 32, 32), (9, 32, 16), (1, 8, 8)):
+                                (33, 32, 32), (9, 32, 16), (1, 8, 4), (5, 4, 8)):
         seq.host, seq.block = [0, 0], budget
         seq.host[H_WANTED], seq.host[H_NODES] = wanted, budget
         assert m.plan(seq).block == nxt, (wanted, budget)
-    assert sorted(p.block for p in m.plans()) == [8, 16, 32] and m.max_width() == 32
-    assert sorted(p.block for p in BASTION().plans()) == [1, 8, 16, 32]
+    assert sorted(p.block for p in m.plans()) == [4, 8, 16, 32] and m.max_width() == 32
+    assert sorted(p.block for p in BASTION().plans()) == [1, 4, 8, 16, 32]
 
 
 def test_cost_tables_follow_the_profile_per_row_bucket():
@@ -167,13 +167,68 @@ def test_bastion_sampling_matches_ar_sampling(engine):
 
 def test_a_step_writes_its_draft_block_then_its_tree():
     """A budget's step writes the draft block, then a tree of `budget` nodes over the same
-    columns: its width (attention reach, and the price the engine joins budgets at) is the larger."""
+    columns. A tree of 4 nodes is at most 3 deep, so its draft is 4 wide, not 8: the step's
+    width (attention reach, and the price the engine joins budgets at) is the budget."""
     from fastspec.methods.base import Plan
     m = BASTION(block=16, draft_block=8, budgets=(4, 8, 16, 32))
-    assert [m.step_width(Plan(b)) for b in (4, 8, 16, 32)] == [8, 8, 16, 32]
+    assert [m.step_width(Plan(b)) for b in (4, 8, 16, 32)] == [4, 8, 16, 32]
+    assert [m.draft_width(b) for b in (4, 8, 16, 32)] == [4, 8, 8, 8]
     # Its round is priced as what it runs: the draft forward, then the tree's (not twice the wider).
     T = lambda rows, tokens: 10.0 * rows + tokens  # noqa: E731
     assert m.step_cost(2, Plan(32), T) == T(2, 8) + T(2, 32) == 80.0
+    assert m.step_cost(2, Plan(4), T) == 2 * T(2, 4) == 48.0
+
+
+def test_the_first_b_nodes_of_a_tree_tell_what_a_budget_of_b_would_have_committed():
+    """Best first adds a node after its parent, so the accepted path's nodes below index b are
+    the path a b-node tree would have accepted; then the verifier's token."""
+    from fastspec.methods.bastion import prefix_commits
+    path = torch.tensor([[1, 2, 5, 7, 0], [3, 0, 0, 0, 0], [0, 0, 0, 0, 0]])
+    accepted = torch.tensor([4, 1, 0])
+    got = prefix_commits(path, accepted, (4, 8, 16), nodes=8)
+    assert got.tolist() == [[3, 5, 0], [2, 2, 0], [1, 1, 0]]       # b = 16 > 8 nodes: not seen
+
+
+def test_the_planner_cuts_the_rules_budget_where_a_smaller_tree_commits_more_per_ms():
+    """The rule wants 8 nodes. Its trees' first 4 nodes would have committed 3 tokens, all 8 of
+    them 4. One row (T = 20 + n): price(4) = 48, price(8) = 56 -> 3/48 = .0625 < 4/56 = .071:
+    8. Two rows (T = 20 + 6n): price(4) = 88, price(8) = 136 -> .034 > .029: 4. A new run starts
+    from the last run's E_b (weighed as PREFIX_ROUNDS rounds) at its own prices."""
+    from fastspec.methods.bastion import H_PREFIX, PREFIX_ROUNDS
+    one, two = (lambda rows, n: 20.0 + n), (lambda rows, n: 20.0 + 6 * n)
+    m = BASTION(block=8, budgets=(4, 8, 16), prices="profile")
+    for forward_ms, chosen in ((one, 8), (two, 4)):
+        m.prefix = None                                     # no earlier run
+        m.begin(SimpleNamespace(rows=1, forward_ms=forward_ms))
+        seq = SimpleNamespace(host=[], block=8, accept_lengths=[], state={})
+        plans = []
+        for _ in range(PREFIX_ROUNDS + 1):
+            seq.host = [8, 8] + [0] * 3
+            seq.host[H_PREFIX:H_PREFIX + 2] = [3, 4]          # b = 4 and 8; 16 not seen
+            seq.accept_lengths, seq.block = [4], 8            # every round ran at 8 here
+            plans.append(m.plan(seq).block)
+        assert plans[:PREFIX_ROUNDS - 1] == [8] * (PREFIX_ROUNDS - 1) and plans[-1] == chosen
+        assert m.report()["expected_tokens"] == {4: 3.0, 8: 4.0}
+    # The next run (two rows again) knows E_b from the first: its first round is a tree of 4.
+    m.begin(SimpleNamespace(rows=1, forward_ms=two))
+    assert m.plan(SimpleNamespace(host=[], block=8, accept_lengths=[], state={})).block == 4
+    rule = BASTION(block=8, budgets=(4, 8, 16), prices="profile", choose="rule")
+    rule.begin(SimpleNamespace(rows=1, forward_ms=two))
+    seq = SimpleNamespace(host=[8, 8, 3, 4, 0], block=8, accept_lengths=[4], state={})
+    assert {rule.plan(seq).block for _ in range(PREFIX_ROUNDS + 1)} == {8}
+
+
+def test_greedy_bastion_with_a_four_node_budget_equals_ar(engine):
+    """A budget of 4 drafts 4 wide (depth <= 3): still AR's output, at most 4 tokens a round."""
+    prompts = random_token_prompts(4, seed=31)
+    params = SamplingParams(max_new_tokens=30)
+    ar = engine.generate(prompts, params, concurrency=2)
+    method = RecordingBASTION(block=4, budgets=(4,))
+    out = engine.generate(prompts, params, method=method, concurrency=2)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    assert max(max(c.accept_lengths) for c in out) <= 4
+    assert {cols.shape[1] for cols, _ in method.rounds} == {3}        # paths of depth <= 3
+    assert any(max(c.accept_lengths) >= 2 for c in out)
 
 
 # --- AR rounds: where no tree pays -----------------------------------------------------------

@@ -162,7 +162,7 @@ def test_a_chain_round_equals_linearss_round_for_round():
     prompts = random_token_prompts(3, seed=31)
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     linear = engine.generate(prompts, params, method=LinearSS(8), concurrency=2)
-    m = D2SD(8, 2, ar=0)
+    m = D2SD(8, 2, ar=0, narrow=0)
     m.choose_branches = lambda: 0
     d2 = engine.generate(prompts, params, method=m, concurrency=2)
     for a, b in zip(d2, linear):
@@ -188,6 +188,44 @@ def test_a_chain_round_under_sampling_keeps_the_target_law():
         first = torch.bincount(emitted[:, 0], minlength=V).float() / samples
         distances.append(0.5 * (first - p0).abs().sum().item())
     assert accepted.float().mean() > 0 and distances[1] < 0.01 and distances[1] < distances[0]
+
+
+def test_a_narrow_chain_runs_where_it_commits_more_per_ms():
+    """Chains of 8 commit 3 or 5 tokens: a chain of 4 would have committed 3 or 4 (E_4 = 3.5,
+    E_8 = 4). Priced like one row (T(4) = 40, T(8) = 45 ms: 3.5/40 = .0875 < 4/45 = .089) the
+    round stays at 8; like two rows (T(4) = 50, T(8) = 86: .07 > .047) it narrows to 4. A
+    narrow round books E_4 alone (E_8 cannot be read from it)."""
+    from fastspec.config import FastspecError
+    from fastspec.methods.d2sd import NARROW_ROUNDS
+    rounds = [(3, (0, 0), (2, 4), 0), (5, (0, 0), (2, 4), 0)] * (NARROW_ROUNDS // 2)
+    for t4, t8, want in ((40.0, 45.0, 8), (50.0, 86.0, 4)):
+        m = gate_after(rounds, {0: t8, 1: 3 * t8, 2: 5 * t8})
+        for _ in range(3):
+            m.timed_step(1, 4, "k0", t4)
+        assert m.expected_chain(4) == 3.5 and m.expected_chain(8) == 4.0
+        plan = m.plan(SimpleNamespace(host=[], accept_lengths=[], state={}, block=8))
+        assert (plan.block, plan.variant) == (want, "k0")
+    m.observe(SimpleNamespace(host=[0, 0, 2, 3], accept_lengths=[2], state={"branches": 0}, block=4))
+    assert m.chain_at == {4: (30.0, 9), 8: (32.0, 8)} and m.rounds == NARROW_ROUNDS
+    assert gate_after(rounds[:-1], {0: 86.0}).choose_block(0) == 8       # E_8 not known yet
+    with pytest.raises(FastspecError):
+        D2SD(block=8, branches=4, narrow=4)
+    assert D2SD(block=8, branches=4).narrow == 0 and D2SD(block=4, branches=1).narrow == 0
+
+
+def test_a_narrow_chain_round_is_linearss_round_at_that_block():
+    """Held at the narrow block, D²SD commits what LinearSS(4) commits, round for round."""
+    engine = Engine(tiny_drafter(), backend="eager")
+    prompts = random_token_prompts(3, seed=32)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    linear = engine.generate(prompts, params, method=LinearSS(4), concurrency=2)
+    m = D2SD(8, 2, ar=0)
+    m.choose_block = lambda k: 4
+    d2 = engine.generate(prompts, params, method=m, concurrency=2)
+    for a, b in zip(d2, linear):
+        assert a.token_ids == b.token_ids
+        assert (a.rounds, a.forwards, a.accept_lengths) == (b.rounds, b.forwards, b.accept_lengths)
+    assert m.report()["block_share"] == {4: 1.0} and m.report()["expected_chain"][4] > 1
 
 
 @pytest.mark.parametrize("concurrency", [1, 3])

@@ -1,8 +1,9 @@
 """BASTION: budget-aware tree drafting from one draft's position-wise marginals.
 
-One round, draft block B = 8 (max depth 7), node budget N from the planner:
+One round, node budget N from the planner, draft block W = min(B, N) (B = 8: max depth 7; a
+tree of N nodes is never deeper than N − 1, so a budget of 4 drafts 4 wide, not 8):
 
-    1. draft forward  [seed, M×7], LinearSS's layout (the adapter's convention): aligned index d
+    1. draft forward  [seed, M×(W−1)], LinearSS's layout (the adapter's convention): aligned index d
        gives the marginal of the token at depth d+1; its K best tokens are the candidates there.
     2. tree           best first by path probability (fastspec/tree.best_first_tree): pop the best
                       candidate, push its best child and its next sibling; stop once a node no
@@ -31,9 +32,24 @@ verifier's token), step 3 also captures the drafter's target layers, and the see
 accepted path's nodes enter the ring at positions L, L+1, ...
 
 Node budget per request per round (host side, `plan`): the smallest bucket holding the size the
-rule wanted last round (one bucket up when it wanted more than the budget). Inside a
-step of width N every node is computed anyway, so the tree fills the budget with the next most
-likely candidates (`fill`), and steps are keyed by (rows, N) with bounded padding.
+rule wanted last round (one bucket up when it wanted more than the budget), cut to a smaller
+budget where that one commits more tokens per ms (`choose=measured`, the default; `choose=rule`:
+the rule alone). The rule prices nodes inside one step; it cannot see that a budget of 4 also
+drafts 4 wide instead of 8, and at 2 rows on a 2-core CPU a budget-8 round cost 86 ms and AR
+rounds won (results/round_mix_c2_bench_recguide_zen4_1207.json). What a smaller budget would
+have committed is read from the verifier: best first adds a node after its parent, so the first
+b nodes of a tree are the b-node tree, and a round's accepted path tells what each b <= N would
+have committed (the path's nodes with index < b, plus the verifier's token; host columns
+H_PREFIX..). Per run, E_b = the mean of those over every tree round of budget >= b; the budget is
+argmax E_b / price(b) over the budgets up to the rule's (each E_b once PREFIX_ROUNDS rounds
+saw it; the rule's own budget until then). A new run starts from the last run's E_b, weighed as
+at most PREFIX_ROUNDS rounds, so a run at C = 2 after one at C = 1 starts at the budget its
+prices favour. Inside a step of width N every node is computed anyway, so the tree fills the
+budget with the next most likely candidates (`fill`), and steps are keyed by (rows, N) with
+bounded padding.
+
+    E_4 = 2.7, E_8 = 3.4 tokens; 1 row: price(4) 40, price(8) 45 ms -> .068 < .076: 8
+                                 2 rows: price(4) 50, price(8) 86 ms -> .054 > .040: 4
 
 Not drafting at all (budget 1 in `budgets`, the default set; `bastion[budgets=8/16/32]` is the
 rule alone): a request whose last tree rounds committed fewer tokens per ms than plain AR rounds
@@ -58,10 +74,12 @@ from fastspec.sampling import filtered_logprobs
 from fastspec.tree import best_first_tree, tree_mask
 from fastspec.verify import accept_tree
 
-BUDGETS = (8, 16, 32)
+BUDGETS = (4, 8, 16, 32)
 DEFAULT_BUDGETS = (AR_BLOCK,) + BUDGETS
-H_WANTED, H_NODES = 0, 1        # host columns: nodes the rule wanted, nodes laid out (valid)
-HOST_COLUMNS = 2
+H_WANTED, H_NODES = 0, 1        # host columns: nodes the rule wanted, nodes laid out (valid),
+H_PREFIX = 2                    # then per tree budget b: tokens its b-node prefix would have
+                                # committed (0: b > the round's budget)
+PREFIX_ROUNDS = 8               # tree rounds before a budget's E_b is believed; a new run's prior
 
 
 class BASTION(DrafterChoice, Method):
@@ -73,14 +91,16 @@ class BASTION(DrafterChoice, Method):
 
     def __init__(self, block: int = 16, draft_block: int = 8, top_k: int = 8,
                  budgets: tuple[int, ...] = DEFAULT_BUDGETS, fill: bool = True, drafter: str = "self",
-                 window: int = 1024, prices: str = "measured"):
+                 window: int = 1024, prices: str = "measured", choose: str = "measured"):
         """block: the starting node budget (one of `budgets`; 1 in them adds the plain AR round,
         taken where no tree pays: module doc). draft_block: the draft forward's
         width (max tree depth draft_block − 1). top_k: candidates per depth. fill: fill the
         budget after the stopping rule (nodes cost nothing extra in a step of that width).
         drafter: "self" (the backbone's adapter) or "dflash" (the model's DFlash drafter, with a
         context ring of `window` committed tokens per request). prices: what the choice between
-        trees and AR rounds reads, "measured" (this run's step times, StepClock) or "profile"."""
+        trees and AR rounds reads, "measured" (this run's step times, StepClock) or "profile".
+        choose: "measured" (the budget up to the rule's with the most tokens per ms, as the
+        verifier says smaller trees would have done: module doc) or "rule" (the rule alone)."""
         self.source = make_drafter(drafter, window, draft_block)
         budgets = (budgets,) if isinstance(budgets, int) else tuple(sorted(set(budgets)))
         self.tree_budgets = drafting_blocks(budgets)
@@ -94,7 +114,11 @@ class BASTION(DrafterChoice, Method):
             raise FastspecError(f"bastion: top_k must be >= 1, got {top_k}")
         if prices not in ("measured", "profile"):
             raise FastspecError(f"bastion: prices must be measured or profile, got {prices!r}")
+        if choose not in ("measured", "rule"):
+            raise FastspecError(f"bastion: choose must be measured or rule, got {choose!r}")
         super().__init__(block)
+        self.measured_choice = choose == "measured"
+        self.host_columns = H_PREFIX + len(self.tree_budgets)
         self.timed = prices == "measured"
         self.budgets, self.draft_block, self.top_k, self.fill = budgets, draft_block, top_k, bool(fill)
         self.ar = AR_BLOCK in budgets
@@ -108,6 +132,7 @@ class BASTION(DrafterChoice, Method):
     def key_name(self) -> str:
         return (f"bastion(draft={self.draft_block},k={self.top_k},"
                 f"budgets={'/'.join(map(str, self.budgets))},fill={int(self.fill)},"
+                f"choose={'measured' if self.measured_choice else 'rule'},"
                 f"drafter={self.source.key_name()})")
 
     def begin(self, run) -> None:
@@ -123,17 +148,25 @@ class BASTION(DrafterChoice, Method):
         self.rows = max(run.rows, 1)
         self.clock = StepClock(self.estimate_ms, getattr(run, "step_ms", {}) if self.timed else {})
         if fresh:
+            # E_b: tokens and rounds per budget; the last run's, weighed as PREFIX_ROUNDS at most.
+            old = getattr(self, "prefix", None) or {b: (0.0, 0) for b in self.tree_budgets}
+            self.prefix = {b: (t * min(1.0, PREFIX_ROUNDS / n), min(n, PREFIX_ROUNDS)) if n else (0.0, 0)
+                           for b, (t, n) in old.items()}
             self.stats = {"rounds": 0, "wanted": 0, "nodes": 0, "budget": 0, "tokens": 0}
             self.switch = ARSwitch.after(getattr(self, "switch", None))     # who builds trees, who AR
             self.budget_rounds: dict[int, int] = {}
 
+    def draft_width(self, budget: int) -> int:
+        """The draft forward's width for a tree of `budget` nodes (never deeper than budget − 1)."""
+        return min(self.draft_block, budget)
+
     def _costs(self, rows: int, budget: int) -> tuple[float, ...]:
-        draft = self.draft_share * self.forward_ms(rows, self.draft_block)
+        draft = self.draft_share * self.forward_ms(rows, self.draft_width(budget))
         return tuple(draft + self.forward_ms(rows, max(n, 1)) for n in range(budget + 2))
 
     def cost_table(self, rows: int, budget: int) -> tuple[float, ...]:
-        """T[n], n = 0 .. budget + 1: ms of a round (draft forward + an n-node tree forward) at
-        `rows` batch rows."""
+        """T[n], n = 0 .. budget + 1: ms of a round (the budget's draft forward + an n-node tree
+        forward) at `rows` batch rows."""
         if (rows, budget) not in self.cost_tables:      # a bucket the run did not announce
             self.cost_tables[(rows, budget)] = self._costs(rows, budget)
         return self.cost_tables[(rows, budget)]
@@ -154,7 +187,7 @@ class BASTION(DrafterChoice, Method):
         request's first round, judged at `ARSwitch.first_bound`. (A tree of n nodes emits at
         most min(n, draft block) tokens.)"""
         bound = self.switch.bound(first, self.look_by_best)
-        return draft_could_pay(((min(n, self.draft_block), self.price(n)) for n in self.tree_budgets),
+        return draft_could_pay(((self.draft_width(n), self.price(n)) for n in self.tree_budgets),
                                self.price(AR_BLOCK), bound)
 
     def plan_round(self, seqs) -> list[Plan]:
@@ -164,11 +197,39 @@ class BASTION(DrafterChoice, Method):
             self.ar and self.price_mixed_rounds)
         return [self.plan(seq) for seq in seqs]
 
+    def expected_tokens(self, budget: int) -> float | None:
+        """E_b: what a round of `budget` nodes commits, the mean over the tree rounds that saw it
+        (None before PREFIX_ROUNDS did)."""
+        tokens, rounds = self.prefix[budget]
+        return tokens / rounds if rounds >= PREFIX_ROUNDS else None
+
+    def measured_budget(self, cap: int) -> int:
+        """The budget up to `cap` (the rule's) with the most expected tokens per ms; `cap` itself
+        until its E_b is known.
+
+            E_4 = 2.7, E_8 = 3.4; price(4) = 50, price(8) = 86 ms: .054 > .040 -> 4
+        """
+        if not self.measured_choice or self.expected_tokens(cap) is None:
+            return cap
+        known = [(self.expected_tokens(b) / self.price(b), -b, b) for b in self.tree_budgets
+                 if b <= cap and self.expected_tokens(b) is not None]
+        return max(known)[2]
+
+    def book_prefixes(self, h: list[int]) -> None:
+        """Add a tree round's counterfactual commits (host columns H_PREFIX..) to E_b."""
+        for j, b in enumerate(self.tree_budgets):
+            tokens = h[H_PREFIX + j] if len(h) > H_PREFIX + j else 0
+            if tokens > 0:
+                t, n = self.prefix[b]
+                self.prefix[b] = (t + tokens, n + 1)
+
     def plan(self, seq) -> Plan:
         h = seq.host
         drafted = bool(h) and seq.block != AR_BLOCK
         wanted = None
+        start = self.measured_budget(self.block)
         if drafted:
+            self.book_prefixes(h)
             st, tb, budget = self.stats, self.tree_budgets, seq.block
             st["rounds"] += 1
             st["wanted"] += h[H_WANTED]
@@ -178,12 +239,13 @@ class BASTION(DrafterChoice, Method):
             # The rule's next budget; one bucket up when it wanted more than the budget.
             wanted = next((b for b in tb if b > budget), tb[-1]) if h[H_WANTED] > budget else \
                 next(b for b in tb if b >= h[H_WANTED])
+            wanted = self.measured_budget(wanted)
         if self.ar:
-            budget = self.switch.next_block(seq, self.block, wanted, self.price,
+            budget = self.switch.next_block(seq, start, wanted, self.price,
                                             self.look_pays(), self.budget_rounds,
                                             first_pays=None if h else self.look_pays(first=True))
         else:
-            budget = wanted or seq.block or self.block
+            budget = wanted or (seq.block if h else start)
         self.budget_rounds[budget] = self.budget_rounds.get(budget, 0) + 1
         return Plan(budget, AR_VARIANT if budget == AR_BLOCK else "")
 
@@ -202,12 +264,12 @@ class BASTION(DrafterChoice, Method):
     def step_width(self, plan: Plan) -> int:
         if plan.variant == AR_VARIANT:
             return 1
-        return max(plan.block, self.draft_block)      # the draft block, then a tree of plan.block nodes
+        return plan.block           # the draft block (min(draft_block, nodes) wide), then the tree
 
     def step_cost(self, rows: int, plan: Plan, forward_ms) -> float:
         if plan.variant == AR_VARIANT:
             return forward_ms(rows, 1)
-        return forward_ms(rows, self.draft_block) + forward_ms(rows, plan.block)
+        return forward_ms(rows, self.draft_width(plan.block)) + forward_ms(rows, plan.block)
 
     def report(self) -> dict:
         """Average tree sizes (nodes the rule wanted, nodes laid out, budget) and tokens per round."""
@@ -219,6 +281,8 @@ class BASTION(DrafterChoice, Method):
                 "prices": "measured" if self.timed else "profile", "profile_check": self.clock.check(),
                 "mean_nodes": st["nodes"] / r, "mean_budget": st["budget"] / r,
                 "tau": st["tokens"] / r,
+                "choose": "measured" if self.measured_choice else "rule",
+                "expected_tokens": {b: round(t / n, 3) for b, (t, n) in self.prefix.items() if n},
                 "budget_share": {b: c / n for b, c in sorted(self.budget_rounds.items())}}
 
     # --- inside the step --------------------------------------------------------------------
@@ -242,8 +306,10 @@ class BASTION(DrafterChoice, Method):
 
     def round(self, step, pending, blocks, carry, variant="") -> RoundOutput:
         if variant == AR_VARIANT:
-            return ar_round(self.source, step, pending, carry, HOST_COLUMNS)
-        N, S, D, W = step.width, pending.shape[0], self.max_depth, self.draft_block
+            return ar_round(self.source, step, pending, carry, self.host_columns)
+        N, S = step.width, pending.shape[0]
+        W = self.draft_width(N)
+        D = W - 1
         dev = pending.device
         chain = draft_positions(self.source, step, W, dev)                 # [S, W] or None
         logits = self.source.logits(step, pending, torch.full_like(pending, W), W, carry,
@@ -258,6 +324,24 @@ class BASTION(DrafterChoice, Method):
         new = commit_path(self.source, carry, hidden, path, n_emitted, chain)
         # Draft statistics of the accepted chain (the path's tokens at depths 1..D).
         prob, conf, margin = draft_stats(logits, tree.tokens.gather(1, path))
-        host = torch.stack([tree.wanted, tree.valid.long().sum(-1)], 1)
+        host = torch.cat([torch.stack([tree.wanted, tree.valid.long().sum(-1)], 1),
+                          prefix_commits(path, accepted, self.tree_budgets, N)], 1)
         return RoundOutput(emitted, n_emitted, accepted, prob, conf, margin, carry=new, host=host,
                            commit_cols=path)
+
+
+def prefix_commits(path: torch.Tensor, accepted: torch.Tensor, budgets: tuple[int, ...],
+                   nodes: int) -> torch.Tensor:
+    """[S, len(budgets)]: the tokens a tree of only its first b nodes would have committed, per
+    budget b <= nodes (0 for b > nodes: not seen). Best first adds a node after its parent, so
+    the first b nodes are the b-node tree, and its accepted path is the part of this round's
+    path (node indices, increasing with depth) below index b; then the verifier's token.
+    path [S, D]: node indices at depths 1..D; accepted [S]: the path's length.
+
+        path 1 2 5 7, accepted 4: b = 4 -> 1 2 (+1) = 3 tokens, b = 8 -> 5 tokens
+    """
+    D = path.shape[1]
+    on_path = torch.arange(D, device=path.device)[None, :] < accepted[:, None]          # [S, D]
+    zeros = torch.zeros_like(accepted)
+    return torch.stack([((path < b) & on_path).long().sum(-1) + 1 if b <= nodes else zeros
+                        for b in budgets], 1)

@@ -39,6 +39,19 @@ k = 0 is the chain alone: the draft and a chain verify, two forwards (LinearSS's
 verify, committed by length). On a 2-core CPU, where a round with two branches costs about twice
 the chain's, the branches rarely pay; on a GPU at low load, where tokens are almost free, they do.
 
+A narrower chain (`narrow=4`, the default; `narrow=0`: none). Branches are laid out at `block`
+only, but the chain may also run at the narrower block, LinearSS's round at B = 4: under load a
+CPU pays for every token of a forward (at 2 rows on 2 cores a chain round of 8 cost 86 ms, and AR
+rounds won, results/round_mix_c2_bench_recguide_zen4_1207.json). What a chain of b would have
+committed is read from the verifier: min(the chain's tokens, b), per round that ran at a block
+>= b. E_b is the mean over the run (the last run's, weighed as NARROW_ROUNDS rounds at most, to
+start from); once both are known (NARROW_ROUNDS rounds each) a round runs the narrow chain where
+E_narrow / T(narrow, k0) beats the gate's best at `block`. Every drafting request of a round
+takes the round's block (D²SD's rows share one step).
+
+    E_4 = 2.7, E_8 = 3.3 (no branch pays); 1 row: T 40 / 45 ms -> .068 < .073: 8
+                                           2 rows: T 50 / 86 ms -> .054 > .038: 4
+
 Plain AR rounds (`ar=1`, the default): as LibraSpec and BASTION, a request whose rounds commit
 clearly fewer tokens per ms than AR would takes one-forward AR rounds, and looks at the drafts
 again now and then (methods/ar_rounds.py); under load on a CPU nothing drafts.
@@ -59,6 +72,9 @@ from fastspec.tree import tree_mask
 from fastspec.verify import accept_tree
 
 
+NARROW_ROUNDS = 8          # rounds before a chain block's E_b is believed; a new run's prior
+
+
 def variant_for(k: int) -> str:
     """The step variant of a round with k branches ("k0": the chain alone, two forwards)."""
     return f"k{k}"
@@ -70,7 +86,8 @@ class D2SD(DrafterChoice, LinearSS):
     forwards = 3
 
     def __init__(self, block: int = 8, branches: int = 2, drafter: str = "self", window: int = 1024,
-                 gate: int = 1, prior_hits: float = 0.3, ar: int = 1, prices: str = "measured"):
+                 gate: int = 1, prior_hits: float = 0.3, ar: int = 1, prices: str = "measured",
+                 narrow: int | None = None):
         """branches: the most re-anchored branches a round lays out (K). gate: 1, the branch
         gate picks k = 0..K each round from what branches have added per ms (module doc); 0,
         always K (the paper's round). prior_hits: the hit rate assumed for a branch before
@@ -80,7 +97,9 @@ class D2SD(DrafterChoice, LinearSS):
         "profile" (the device profile's alone: deterministic plans). drafter: "self" (the
         backbone's adapter) or "dflash" (the model's DFlash drafter, with a context ring of
         `window` committed tokens per request: both drafts are its forwards, the re-anchored
-        blocks hold real tokens before their masks)."""
+        blocks hold real tokens before their masks). narrow: a narrower chain-only block a
+        round may take where it commits more per ms (module doc; 0: none; None: 4 where the
+        branches fit its judged positions, branches <= 3)."""
         if block not in BLOCK_SIZES:
             raise FastspecError(f"--block must be one of {BLOCK_SIZES}, got {block}")
         if not 1 <= branches <= block - 2:
@@ -93,6 +112,12 @@ class D2SD(DrafterChoice, LinearSS):
             raise FastspecError(f"d2sd: ar must be 0 or 1, got {ar}")
         if prices not in ("measured", "profile"):
             raise FastspecError(f"d2sd: prices must be measured or profile, got {prices!r}")
+        if narrow is None:
+            narrow = 4 if block > 4 and branches <= 3 else 0
+        if narrow and not (narrow in BLOCK_SIZES and branches < narrow < block):
+            raise FastspecError(f"d2sd: narrow must be 0 or a block of {BLOCK_SIZES} below {block} "
+                                f"and above the {branches} branches, got {narrow}")
+        self.narrow = int(narrow)
         self.source = make_drafter(drafter, window, block)
         super().__init__(block)
         self.branches = branches
@@ -103,7 +128,8 @@ class D2SD(DrafterChoice, LinearSS):
         self.begin(None)
 
     def key_name(self) -> str:
-        return f"d2sd(k={self.branches},ar={int(self.ar)},drafter={self.source.key_name()})"
+        return (f"d2sd(k={self.branches},ar={int(self.ar)},narrow={self.narrow},"
+                f"drafter={self.source.key_name()})")
 
     def begin(self, run) -> None:
         if run is not None:
@@ -115,6 +141,11 @@ class D2SD(DrafterChoice, LinearSS):
         self.draft_share = self.source.draft_share(getattr(run, "model", None))
         self.clock = StepClock(self.estimate_ms, getattr(run, "step_ms", {}) if self.timed else {})
         if fresh:
+            # E_b of the chain blocks: tokens and rounds; the last run's, weighed as
+            # NARROW_ROUNDS rounds at most.
+            old = getattr(self, "chain_at", None) or {b: (0.0, 0) for b in self.chain_blocks()}
+            self.chain_at = {b: (t * min(1.0, NARROW_ROUNDS / n), min(n, NARROW_ROUNDS)) if n else (0.0, 0)
+                             for b, (t, n) in old.items()}
             K = self.branches
             self.rounds = 0
             self.chain_tokens = 0                   # what the chain alone would have committed
@@ -122,6 +153,10 @@ class D2SD(DrafterChoice, LinearSS):
             self.chosen: dict[int, int] = {}        # branches laid out -> rounds
             self.switch = ARSwitch.after(getattr(self, "switch", None))   # who drafts, who takes AR rounds
             self.block_rounds: dict[int, int] = {}  # AR_BLOCK or the block -> rounds
+
+    def chain_blocks(self) -> tuple[int, ...]:
+        """The blocks a chain round may take: the narrow one (if any), then `block`."""
+        return ((self.narrow,) if self.narrow else ()) + (self.block,)
 
     def nodes(self, k: int | None = None) -> int:
         return self.block + (self.branches if k is None else k) * (self.block - 1)
@@ -132,6 +167,7 @@ class D2SD(DrafterChoice, LinearSS):
     def plans(self) -> list[Plan]:
         ks = range(self.branches + 1) if self.gate else [self.branches]
         return [Plan(self.block, variant_for(k)) for k in ks] + \
+            ([Plan(self.narrow, variant_for(0))] if self.narrow and self.gate else []) + \
             ([Plan(AR_BLOCK, AR_VARIANT)] if self.ar else [])
 
     def forwards_for(self, variant: str) -> int:
@@ -171,6 +207,33 @@ class D2SD(DrafterChoice, LinearSS):
         prior = max(self.mean_chain() - 1.0, 1.0)
         return (self.extra[j] + 2 * prior) / (self.hits_laid[j] + 2)
 
+    def branch_value(self, k: int, chain: float | None = None) -> float:
+        """Expected tokens of a round with k branches: the chain's (mean_chain unless given),
+        plus Σ_{j<k} hit_j · extra_j."""
+        value = self.mean_chain() if chain is None else chain
+        return value + sum(self.hit_rate(j) * self.mean_extra(j) for j in range(k))
+
+    def expected_chain(self, block: int) -> float | None:
+        """E_b: what a chain round of `block` commits, the mean over the rounds that saw it (None
+        before NARROW_ROUNDS did)."""
+        tokens, rounds = self.chain_at[block]
+        return tokens / rounds if rounds >= NARROW_ROUNDS else None
+
+    def choose_block(self, k: int) -> int:
+        """The round's block: the narrow chain where E_narrow / T(narrow, k0) beats the round
+        at `block` with k branches (its chain's E_block, the branches' gains on top); `block`
+        until both are known.
+
+            E_4 = 2.7, E_8 = 3.3, k = 0; T(4) = 50, T(8) = 86 ms: .054 > .038 -> 4
+        """
+        if not (self.narrow and self.gate):
+            return self.block
+        e_narrow, e_wide = self.expected_chain(self.narrow), self.expected_chain(self.block)
+        if e_narrow is None or e_wide is None:
+            return self.block
+        wide = self.branch_value(k, e_wide) / self.price(self.block, k)
+        return self.narrow if e_narrow / self.price(self.narrow, 0) > wide else self.block
+
     def choose_branches(self) -> int:
         """k = argmax over 0..K of (mean chain tokens + Σ_{j<k} hit_j · extra_j) / T(k), T the
         round's step time as measured (the profile's, scaled, before it ran).
@@ -181,11 +244,9 @@ class D2SD(DrafterChoice, LinearSS):
         """
         if not self.gate:
             return self.branches
-        value, best, best_rate = self.mean_chain(), 0, 0.0
+        best, best_rate = 0, 0.0
         for k in range(self.branches + 1):
-            if k:
-                value += self.hit_rate(k - 1) * self.mean_extra(k - 1)
-            rate = value / self.clock.time(self.rows, self.block, variant_for(k))
+            rate = self.branch_value(k) / self.clock.time(self.rows, self.block, variant_for(k))
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
@@ -195,14 +256,15 @@ class D2SD(DrafterChoice, LinearSS):
         branches, as this run measures its steps (the profile's where `prices=profile`)."""
         if block == AR_BLOCK:
             return self.clock.time(self.rows, 1, AR_VARIANT)
-        return self.clock.time(self.rows, self.block, variant_for(k))
+        return self.clock.time(self.rows, block, variant_for(k))
 
     def look_pays(self, first: bool = False) -> bool:
         """Would a chain round beat AR were it accepted as far as the run's best request's so far
         (before any: every draft, `block` tokens)? first: a new request's first round, judged at
         `ARSwitch.first_bound`."""
         bound = self.switch.bound(first, self.look_by_best)
-        return draft_could_pay([(self.block, self.price(self.block, 0))], self.price(AR_BLOCK, 0), bound)
+        return draft_could_pay([(b, self.price(b, 0)) for b in self.chain_blocks()],
+                               self.price(AR_BLOCK, 0), bound)
 
     def observe(self, seq) -> None:
         """Book the request's last round: which branches covered its outcome, and what a laid
@@ -213,6 +275,10 @@ class D2SD(DrafterChoice, LinearSS):
             return
         tokens = seq.accept_lengths[-1] if seq.accept_lengths else 0
         laid = seq.state.get("branches", K)
+        if seq.block != self.block:                 # a narrow chain round: E_narrow only
+            t, n = self.chain_at[seq.block]
+            self.chain_at[seq.block] = (t + tokens, n + 1)
+            return
         chain = tokens
         for j in range(K):
             if h[j]:
@@ -223,6 +289,9 @@ class D2SD(DrafterChoice, LinearSS):
                     self.extra[j] += tokens - h[K + j]
         self.rounds += 1
         self.chain_tokens += chain
+        for b in self.chain_blocks():               # what a chain of b would have committed
+            t, n = self.chain_at[b]
+            self.chain_at[b] = (t + min(chain, b), n + 1)
 
     def plan_round(self, seqs) -> list[Plan]:
         """One k for the round's drafting step (its rows run one step: D²SD does not bucket);
@@ -236,22 +305,25 @@ class D2SD(DrafterChoice, LinearSS):
         self.switch.price_last_round(seqs, lambda n, b: self.price(b, last_k),
                                      self.ar and self.price_mixed_rounds)
         k, look_pays = self.choose_branches(), self.ar and self.look_pays()
+        block = self.choose_block(k)
+        k = k if block == self.block else 0
         first_pays = self.ar and self.look_pays(first=True)
         plans = []
         for q in seqs:
-            block = self.block
+            drafts = True
             if self.ar:
                 last_k = q.state.get("branches", k)
-                block = self.switch.next_block(q, self.block, self.block,
-                                               lambda b, lk=last_k: self.price(b, lk), look_pays,
-                                               self.block_rounds, first_pays=first_pays)
-            self.block_rounds[block] = self.block_rounds.get(block, 0) + 1
-            if block == AR_BLOCK:
+                drafts = self.switch.next_block(q, block, block,
+                                                lambda b, lk=last_k: self.price(b, lk), look_pays,
+                                                self.block_rounds, first_pays=first_pays) != AR_BLOCK
+            self.block_rounds[block if drafts else AR_BLOCK] = \
+                self.block_rounds.get(block if drafts else AR_BLOCK, 0) + 1
+            if not drafts:
                 plans.append(Plan(AR_BLOCK, AR_VARIANT))
-            else:
+            else:               # every drafting request takes the round's block (one step)
                 q.state["branches"] = k
                 self.chosen[k] = self.chosen.get(k, 0) + 1
-                plans.append(Plan(self.block, variant_for(k)))
+                plans.append(Plan(block, variant_for(k)))
         return plans
 
     def plan(self, seq) -> Plan:
@@ -266,6 +338,8 @@ class D2SD(DrafterChoice, LinearSS):
                 "hit_rates": [round(self.hit_rate(j), 4) for j in range(self.branches)],
                 "mean_extra": [round(self.mean_extra(j), 3) for j in range(self.branches)],
                 "mean_chain_tokens": round(self.mean_chain(), 3),
+                "expected_chain": {b: round(t / n, 3) for b, (t, n) in self.chain_at.items() if n},
+                "block_share": {b: c / all_rounds for b, c in sorted(self.block_rounds.items())},
                 "prices": "measured" if self.timed else "profile", "profile_check": self.clock.check()}
 
     # --- inside the step --------------------------------------------------------------------
