@@ -44,6 +44,16 @@ def transitions(records, method: str, block: int) -> list[list[float]] | None:
     return [[c / max(sum(row), 1) for c in row] for row in counts]
 
 
+def share_text(by_block: dict | None) -> str:
+    """{block: share} as `1:10% 4:90%` (JSON keys are strings: sorted as numbers)."""
+    return " ".join(f"{k}:{v:.0%}" for k, v in sorted((by_block or {}).items(), key=lambda kv: int(kv[0])))
+
+
+def means_text(by_block: dict | None) -> str:
+    """{block: expected tokens} as `4:2.90 8:3.43` ("" when the method did not report them)."""
+    return " ".join(f"{k}:{v:.2f}" for k, v in sorted((by_block or {}).items(), key=lambda kv: int(kv[0])))
+
+
 def print_tables(console, runs: list[dict], records, block: int | None = None) -> None:
     reports = [r for r in runs if "proposed" in (r.get("method_report") or {})]    # RecGuide's
     libra = [r for r in runs if "gamma_share" in (r.get("method_report") or {})]   # LibraSpec's
@@ -84,30 +94,35 @@ def print_tables(console, runs: list[dict], records, block: int | None = None) -
     d2sd = [r for r in runs if "branch_share" in (r.get("method_report") or {})]
     if d2sd:
         tab = Table(title="D²SD — branches laid out per round (the gate) and what each boundary's "
-                          "branch buys: share of rounds it covered, tokens it adds when laid out")
-        for col in ("method", "C", "rounds", "branches (share)", "covered", "adds", "chain tokens", "prices"):
-            tab.add_column(col, justify="left" if col in ("method", "branches (share)", "prices") else "right")
+                          "branch buys: share of rounds it covered, tokens it adds when laid out; "
+                          "the chain's block per round (1: AR) and what a chain of each commits (E_b)")
+        for col in ("method", "C", "rounds", "branches (share)", "covered", "adds", "chain tokens",
+                    "blocks (share)", "E_b", "prices"):
+            tab.add_column(col, justify="left" if col in ("method", "branches (share)", "blocks (share)",
+                                                          "E_b", "prices") else "right")
         for r in d2sd:
             m = r["method_report"]
             tab.add_row(escape(r["method"]), str(r["concurrency"]), str(m["rounds"]),
                         " ".join(f"{k}:{v:.0%}" for k, v in m["branch_share"].items()),
                         " ".join(f"{h:.0%}" for h in m["hit_rates"]),
                         " ".join(f"{x:.2f}" for x in m["mean_extra"]),
-                        f"{m['mean_chain_tokens']:.2f}", m.get("prices", ""))
+                        f"{m['mean_chain_tokens']:.2f}", share_text(m.get("block_share")),
+                        means_text(m.get("expected_chain")), m.get("prices", ""))
         console.print(tab)
     trees = [r for r in runs if "budget_share" in (r.get("method_report") or {})]
     if trees:
-        tab = Table(title="BASTION — tree size (nodes wanted by the stop rule, laid out, budget) "
-                          "and plain AR rounds, per C")
+        tab = Table(title="BASTION — tree size (nodes wanted by the stop rule, laid out, budget), "
+                          "budgets per round (1: AR) and what a tree of each would commit (E_b), per C")
         for col in ("method", "C", "rounds", "wanted", "nodes", "budget", "tokens/round",
-                    "AR rounds", "looks", "prices"):
-            tab.add_column(col, justify="left" if col in ("method", "prices") else "right")
+                    "budgets (share)", "E_b", "looks", "prices"):
+            tab.add_column(col, justify="left" if col in ("method", "budgets (share)", "E_b", "prices")
+                           else "right")
         for r in trees:
             m = r["method_report"]
             tab.add_row(escape(r["method"]), str(r["concurrency"]), str(m["rounds"]),
                         f"{m['mean_wanted_nodes']:.1f}", f"{m['mean_nodes']:.1f}", f"{m['mean_budget']:.1f}",
-                        f"{m['tau']:.2f}", f"{m.get('ar_share', 0):.0%}", str(m.get("looks", 0)),
-                        m.get("prices", ""))
+                        f"{m['tau']:.2f}", share_text(m["budget_share"]), means_text(m.get("expected_tokens")),
+                        str(m.get("looks", 0)), m.get("prices", ""))
         console.print(tab)
     tidar = [r for r in runs if "block_choice" in (r.get("method_report") or {})]
     if tidar:

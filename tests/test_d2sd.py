@@ -225,7 +225,9 @@ def test_a_narrow_chain_round_is_linearss_round_at_that_block():
     for a, b in zip(d2, linear):
         assert a.token_ids == b.token_ids
         assert (a.rounds, a.forwards, a.accept_lengths) == (b.rounds, b.forwards, b.accept_lengths)
-    assert m.report()["block_share"] == {4: 1.0} and m.report()["expected_chain"][4] > 1
+    rep = m.report()
+    assert rep["block_share"] == {4: 1.0} and rep["expected_chain"][4] > 1
+    assert rep["rounds"] == rep["narrow_rounds"] == sum(c.rounds for c in d2) - len(d2)
 
 
 @pytest.mark.parametrize("concurrency", [1, 3])

@@ -241,17 +241,21 @@ def test_the_tree_methods_show_their_decisions_and_every_timed_step():
              "mean_abs_error": 0.093, "level": 1.0, "mean_abs_error_at_level": 0.0}
     d2sd = {"rounds": 12, "branch_share": {0: 0.75, 2: 0.25}, "hit_rates": [0.167, 0.067],
             "mean_extra": [2.15, 2.5], "mean_chain_tokens": 3.15, "prices": "measured",
-            "profile_check": check}
+            "profile_check": check, "block_share": {"8": 0.25, "1": 0.5, "4": 0.25},
+            "expected_chain": {"4": 2.9, "8": 3.159}}
     bastion = {"rounds": 9, "mean_wanted_nodes": 4.9, "mean_nodes": 8.0, "mean_budget": 8.0,
                "tau": 3.43, "ar_share": 0.095, "looks": 2, "prices": "profile",
-               "profile_check": {"steps": {}}, "budget_share": {1: 0.095, 8: 0.905}}
+               "profile_check": {"steps": {}}, "budget_share": {1: 0.095, 8: 0.905},
+               "expected_tokens": {4: 2.901, 8: 3.426}}
     runs = [{"method": m, "concurrency": 1, "tokens_per_s": 1.0, "tokens_per_forward": 1.0,
              "method_report": r} for m, r in (("d2sd", d2sd), ("bastion", bastion))]
     console = Console(record=True, width=200)
     print_tables(console, runs, [], block=8)
     text = console.export_text()
-    assert re.search(r"d2sd\W+1\W+12\W+0:75% 2:25%\W+17% 7%\W+2\.15 2\.50\W+3\.15\W+measured", text)
-    assert re.search(r"bastion\W+1\W+9\W+4\.9\W+8\.0\W+8\.0\W+3\.43\W+10%\W+2\W+profile", text)
+    assert re.search(r"d2sd\W+1\W+12\W+0:75% 2:25%\W+17% 7%\W+2\.15 2\.50\W+3\.15\W+"
+                     r"1:50% 4:25% 8:25%\W+4:2\.90 8:3\.16\W+measured", text)
+    assert re.search(r"bastion\W+1\W+9\W+4\.9\W+8\.0\W+8\.0\W+3\.43\W+1:10% 8:90%\W+"
+                     r"4:2\.90 8:3\.43\W+2\W+profile", text)
     assert re.search(r"d2sd\W+1\W+1x8:k0\W+52\.9\W+48\.0\W+-9%", text)
 
 

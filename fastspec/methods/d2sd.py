@@ -147,7 +147,8 @@ class D2SD(DrafterChoice, LinearSS):
             self.chain_at = {b: (t * min(1.0, NARROW_ROUNDS / n), min(n, NARROW_ROUNDS)) if n else (0.0, 0)
                              for b, (t, n) in old.items()}
             K = self.branches
-            self.rounds = 0
+            self.rounds = 0                         # drafting rounds at `block` (the gate's data)
+            self.narrow_rounds = 0
             self.chain_tokens = 0                   # what the chain alone would have committed
             self.covered, self.extra, self.hits_laid = [0] * K, [0] * K, [0] * K
             self.chosen: dict[int, int] = {}        # branches laid out -> rounds
@@ -276,6 +277,7 @@ class D2SD(DrafterChoice, LinearSS):
         tokens = seq.accept_lengths[-1] if seq.accept_lengths else 0
         laid = seq.state.get("branches", K)
         if seq.block != self.block:                 # a narrow chain round: E_narrow only
+            self.narrow_rounds += 1
             t, n = self.chain_at[seq.block]
             self.chain_at[seq.block] = (t + tokens, n + 1)
             return
@@ -332,7 +334,8 @@ class D2SD(DrafterChoice, LinearSS):
     def report(self) -> dict:
         n = max(sum(self.chosen.values()), 1)
         all_rounds = max(sum(self.block_rounds.values()), 1)
-        return {"drafter": self.source.name, "gate": int(self.gate), "rounds": self.rounds,
+        return {"drafter": self.source.name, "gate": int(self.gate),
+                "rounds": self.rounds + self.narrow_rounds, "narrow_rounds": self.narrow_rounds,
                 "ar_share": self.block_rounds.get(AR_BLOCK, 0) / all_rounds, "looks": self.switch.looks,
                 "branch_share": {k: c / n for k, c in sorted(self.chosen.items())},
                 "hit_rates": [round(self.hit_rate(j), 4) for j in range(self.branches)],
