@@ -198,3 +198,20 @@ def test_a_first_round_is_judged_by_first_pays_where_given_and_looks_by_look_pay
     for t in (5, 5, 5):
         means.add(state, t)
     assert sw.first_bound == 5.0            # the run's own best, once it has one
+
+
+def test_block_commits_believe_a_mean_after_enough_rounds_and_carry_it_to_the_next_run():
+    """E_b is None until COMMIT_ROUNDS rounds saw it; a new run starts from the last run's
+    mean, weighed as COMMIT_ROUNDS rounds at most (40 rounds of 2.9 -> 8 rounds of 2.9)."""
+    from fastspec.methods.ar_rounds import COMMIT_ROUNDS, BlockCommits
+    last = BlockCommits((4, 8))
+    for i in range(40):
+        last.add(4, 2.9)
+        if i < COMMIT_ROUNDS - 1:
+            last.add(8, 3.5)
+    assert last.mean(8) is None and last.mean(4) == pytest.approx(2.9)
+    new = BlockCommits((4, 8, 16), last)
+    assert new.sums[4] == (pytest.approx(2.9 * COMMIT_ROUNDS), COMMIT_ROUNDS)
+    assert new.sums[8] == (pytest.approx(3.5 * (COMMIT_ROUNDS - 1)), COMMIT_ROUNDS - 1)
+    assert new.sums[16] == (0.0, 0) and new.mean(16) is None
+    assert new.report() == {4: 2.9, 8: 3.5}

@@ -193,12 +193,13 @@ def test_the_planner_cuts_the_rules_budget_where_a_smaller_tree_commits_more_per
     """The rule wants 8 nodes. Its trees' first 4 nodes would have committed 3 tokens, all 8 of
     them 4. One row (T = 20 + n): price(4) = 48, price(8) = 56 -> 3/48 = .0625 < 4/56 = .071:
     8. Two rows (T = 20 + 6n): price(4) = 88, price(8) = 136 -> .034 > .029: 4. A new run starts
-    from the last run's E_b (weighed as PREFIX_ROUNDS rounds) at its own prices."""
-    from fastspec.methods.bastion import H_PREFIX, PREFIX_ROUNDS
+    from the last run's E_b (weighed as COMMIT_ROUNDS rounds) at its own prices."""
+    from fastspec.methods.ar_rounds import COMMIT_ROUNDS as PREFIX_ROUNDS
+    from fastspec.methods.bastion import H_PREFIX
     one, two = (lambda rows, n: 20.0 + n), (lambda rows, n: 20.0 + 6 * n)
     m = BASTION(block=8, budgets=(4, 8, 16), prices="profile")
     for forward_ms, chosen in ((one, 8), (two, 4)):
-        m.prefix = None                                     # no earlier run
+        m.commits = None                                    # no earlier run
         m.begin(SimpleNamespace(rows=1, forward_ms=forward_ms))
         seq = SimpleNamespace(host=[], block=8, accept_lengths=[], state={})
         plans = []

@@ -196,17 +196,17 @@ def test_a_narrow_chain_runs_where_it_commits_more_per_ms():
     round stays at 8; like two rows (T(4) = 50, T(8) = 86: .07 > .047) it narrows to 4. A
     narrow round books E_4 alone (E_8 cannot be read from it)."""
     from fastspec.config import FastspecError
-    from fastspec.methods.d2sd import NARROW_ROUNDS
+    from fastspec.methods.ar_rounds import COMMIT_ROUNDS as NARROW_ROUNDS
     rounds = [(3, (0, 0), (2, 4), 0), (5, (0, 0), (2, 4), 0)] * (NARROW_ROUNDS // 2)
     for t4, t8, want in ((40.0, 45.0, 8), (50.0, 86.0, 4)):
         m = gate_after(rounds, {0: t8, 1: 3 * t8, 2: 5 * t8})
         for _ in range(3):
             m.timed_step(1, 4, "k0", t4)
-        assert m.expected_chain(4) == 3.5 and m.expected_chain(8) == 4.0
+        assert m.commits.mean(4) == 3.5 and m.commits.mean(8) == 4.0
         plan = m.plan(SimpleNamespace(host=[], accept_lengths=[], state={}, block=8))
         assert (plan.block, plan.variant) == (want, "k0")
     m.observe(SimpleNamespace(host=[0, 0, 2, 3], accept_lengths=[2], state={"branches": 0}, block=4))
-    assert m.chain_at == {4: (30.0, 9), 8: (32.0, 8)} and m.rounds == NARROW_ROUNDS
+    assert m.commits.sums == {4: (30.0, 9), 8: (32.0, 8)} and m.rounds == NARROW_ROUNDS
     assert gate_after(rounds[:-1], {0: 86.0}).choose_block(0) == 8       # E_8 not known yet
     with pytest.raises(FastspecError):
         D2SD(block=8, branches=4, narrow=4)

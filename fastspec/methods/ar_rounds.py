@@ -126,6 +126,40 @@ def mixed_round_ms(blocks: Sequence[int], price_at: Callable[[int, int], float])
     return ar_all + n / len(drafting) * max(steps - ar_all, 0.0)
 
 
+COMMIT_ROUNDS = 8               # rounds before a block's mean commit is believed; a new run's prior
+
+
+class BlockCommits:
+    """What a drafting round of each block commits, per run, as the verifier says (E_b): BASTION
+    reads what a b-node prefix of its trees would have committed, D²SD what a chain of b would
+    have. Each block's mean is believed once COMMIT_ROUNDS rounds saw it; a new run starts from
+    the last run's sums, weighed as COMMIT_ROUNDS rounds at most, so a run at C = 2 after one at
+    C = 1 starts from what the drafter commits and only its prices are new.
+
+        last run: 40 rounds, E_4 = 2.9  ->  this run starts at 8 rounds, E_4 = 2.9
+    """
+
+    def __init__(self, blocks: Iterable[int], last: "BlockCommits | None" = None):
+        old = last.sums if last is not None else {}
+        self.sums: dict[int, tuple[float, int]] = {}
+        for b in blocks:
+            tokens, rounds = old.get(b, (0.0, 0))
+            kept = min(rounds, COMMIT_ROUNDS)
+            self.sums[b] = (tokens * kept / rounds if rounds else 0.0, kept)
+
+    def add(self, block: int, tokens: float) -> None:
+        t, n = self.sums[block]
+        self.sums[block] = (t + tokens, n + 1)
+
+    def mean(self, block: int) -> float | None:
+        """E_b (None before COMMIT_ROUNDS rounds saw it)."""
+        tokens, rounds = self.sums[block]
+        return tokens / rounds if rounds >= COMMIT_ROUNDS else None
+
+    def report(self) -> dict[int, float]:
+        return {b: round(t / n, 3) for b, (t, n) in self.sums.items() if n}
+
+
 class DraftMeans:
     """The best drafting a run has seen: per request, its mean tokens per drafting round."""
 

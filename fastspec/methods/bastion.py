@@ -41,10 +41,10 @@ have committed is read from the verifier: best first adds a node after its paren
 b nodes of a tree are the b-node tree, and a round's accepted path tells what each b <= N would
 have committed (the path's nodes with index < b, plus the verifier's token; host columns
 H_PREFIX..). Per run, E_b = the mean of those over every tree round of budget >= b; the budget is
-argmax E_b / price(b) over the budgets up to the rule's (each E_b once PREFIX_ROUNDS rounds
-saw it; the rule's own budget until then). A new run starts from the last run's E_b, weighed as
-at most PREFIX_ROUNDS rounds, so a run at C = 2 after one at C = 1 starts at the budget its
-prices favour. Inside a step of width N every node is computed anyway, so the tree fills the
+argmax E_b / price(b) over the budgets up to the rule's (each E_b once COMMIT_ROUNDS rounds
+saw it; the rule's own budget until then). A new run starts from the last run's E_b
+(ar_rounds.BlockCommits), so a run at C = 2 after one at C = 1 starts at the budget its prices
+favour. Inside a step of width N every node is computed anyway, so the tree fills the
 budget with the next most likely candidates (`fill`), and steps are keyed by (rows, N) with
 bounded padding.
 
@@ -64,8 +64,8 @@ import torch
 
 from fastspec.config import FastspecError
 from fastspec.graphs.keys import BATCH_BUCKETS, batch_bucket
-from fastspec.methods.ar_rounds import (AR_BLOCK, AR_VARIANT, ARSwitch, ar_round, draft_could_pay,
-                                        drafting_blocks)
+from fastspec.methods.ar_rounds import (AR_BLOCK, AR_VARIANT, ARSwitch, BlockCommits, ar_round,
+                                        draft_could_pay, drafting_blocks)
 from fastspec.methods.base import Method, Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import (DrafterChoice, commit_path, draft_positions, draft_stats,
                                      make_drafter)
@@ -79,7 +79,6 @@ DEFAULT_BUDGETS = (AR_BLOCK,) + BUDGETS
 H_WANTED, H_NODES = 0, 1        # host columns: nodes the rule wanted, nodes laid out (valid),
 H_PREFIX = 2                    # then per tree budget b: tokens its b-node prefix would have
                                 # committed (0: b > the round's budget)
-PREFIX_ROUNDS = 8               # tree rounds before a budget's E_b is believed; a new run's prior
 
 
 class BASTION(DrafterChoice, Method):
@@ -148,10 +147,7 @@ class BASTION(DrafterChoice, Method):
         self.rows = max(run.rows, 1)
         self.clock = StepClock(self.estimate_ms, getattr(run, "step_ms", {}) if self.timed else {})
         if fresh:
-            # E_b: tokens and rounds per budget; the last run's, weighed as PREFIX_ROUNDS at most.
-            old = getattr(self, "prefix", None) or {b: (0.0, 0) for b in self.tree_budgets}
-            self.prefix = {b: (t * min(1.0, PREFIX_ROUNDS / n), min(n, PREFIX_ROUNDS)) if n else (0.0, 0)
-                           for b, (t, n) in old.items()}
+            self.commits = BlockCommits(self.tree_budgets, getattr(self, "commits", None))   # E_b
             self.stats = {"rounds": 0, "wanted": 0, "nodes": 0, "budget": 0, "tokens": 0}
             self.switch = ARSwitch.after(getattr(self, "switch", None))     # who builds trees, who AR
             self.budget_rounds: dict[int, int] = {}
@@ -197,31 +193,17 @@ class BASTION(DrafterChoice, Method):
             self.ar and self.price_mixed_rounds)
         return [self.plan(seq) for seq in seqs]
 
-    def expected_tokens(self, budget: int) -> float | None:
-        """E_b: what a round of `budget` nodes commits, the mean over the tree rounds that saw it
-        (None before PREFIX_ROUNDS did)."""
-        tokens, rounds = self.prefix[budget]
-        return tokens / rounds if rounds >= PREFIX_ROUNDS else None
-
     def measured_budget(self, cap: int) -> int:
         """The budget up to `cap` (the rule's) with the most expected tokens per ms; `cap` itself
         until its E_b is known.
 
             E_4 = 2.7, E_8 = 3.4; price(4) = 50, price(8) = 86 ms: .054 > .040 -> 4
         """
-        if not self.measured_choice or self.expected_tokens(cap) is None:
+        E = self.commits.mean
+        if not self.measured_choice or E(cap) is None:
             return cap
-        known = [(self.expected_tokens(b) / self.price(b), -b, b) for b in self.tree_budgets
-                 if b <= cap and self.expected_tokens(b) is not None]
-        return max(known)[2]
-
-    def book_prefixes(self, h: list[int]) -> None:
-        """Add a tree round's counterfactual commits (host columns H_PREFIX..) to E_b."""
-        for j, b in enumerate(self.tree_budgets):
-            tokens = h[H_PREFIX + j] if len(h) > H_PREFIX + j else 0
-            if tokens > 0:
-                t, n = self.prefix[b]
-                self.prefix[b] = (t + tokens, n + 1)
+        return max((E(b) / self.price(b), -b, b) for b in self.tree_budgets
+                   if b <= cap and E(b) is not None)[2]
 
     def plan(self, seq) -> Plan:
         h = seq.host
@@ -229,7 +211,9 @@ class BASTION(DrafterChoice, Method):
         wanted = None
         start = self.measured_budget(self.block)
         if drafted:
-            self.book_prefixes(h)
+            for b, tokens in zip(self.tree_budgets, h[H_PREFIX:]):   # what each b <= budget would have
+                if tokens > 0:
+                    self.commits.add(b, tokens)
             st, tb, budget = self.stats, self.tree_budgets, seq.block
             st["rounds"] += 1
             st["wanted"] += h[H_WANTED]
@@ -282,7 +266,7 @@ class BASTION(DrafterChoice, Method):
                 "mean_nodes": st["nodes"] / r, "mean_budget": st["budget"] / r,
                 "tau": st["tokens"] / r,
                 "choose": "measured" if self.measured_choice else "rule",
-                "expected_tokens": {b: round(t / n, 3) for b, (t, n) in self.prefix.items() if n},
+                "expected_tokens": self.commits.report(),
                 "budget_share": {b: c / n for b, c in sorted(self.budget_rounds.items())}}
 
     # --- inside the step --------------------------------------------------------------------

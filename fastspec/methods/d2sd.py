@@ -44,8 +44,8 @@ only, but the chain may also run at the narrower block, LinearSS's round at B = 
 CPU pays for every token of a forward (at 2 rows on 2 cores a chain round of 8 cost 86 ms, and AR
 rounds won, results/round_mix_c2_bench_recguide_zen4_1207.json). What a chain of b would have
 committed is read from the verifier: min(the chain's tokens, b), per round that ran at a block
->= b. E_b is the mean over the run (the last run's, weighed as NARROW_ROUNDS rounds at most, to
-start from); once both are known (NARROW_ROUNDS rounds each) a round runs the narrow chain where
+>= b. E_b is the mean over the run (ar_rounds.BlockCommits: the last run's to start from); once
+both are known (COMMIT_ROUNDS rounds each) a round runs the narrow chain where
 E_narrow / T(narrow, k0) beats the gate's best at `block`. Every drafting request of a round
 takes the round's block (D²SD's rows share one step).
 
@@ -61,7 +61,8 @@ from __future__ import annotations
 import torch
 
 from fastspec.config import FastspecError
-from fastspec.methods.ar_rounds import AR_BLOCK, AR_VARIANT, ARSwitch, ar_round, draft_could_pay
+from fastspec.methods.ar_rounds import (AR_BLOCK, AR_VARIANT, ARSwitch, BlockCommits, ar_round,
+                                        draft_could_pay)
 from fastspec.methods.base import Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import (DrafterChoice, commit_path, draft_positions,
                                      draft_stats_and_alternatives, make_drafter, verify_chain)
@@ -70,9 +71,6 @@ from fastspec.methods.step_clock import StepClock
 from fastspec.sampling import point_mass_logp
 from fastspec.tree import tree_mask
 from fastspec.verify import accept_tree
-
-
-NARROW_ROUNDS = 8          # rounds before a chain block's E_b is believed; a new run's prior
 
 
 def variant_for(k: int) -> str:
@@ -141,11 +139,7 @@ class D2SD(DrafterChoice, LinearSS):
         self.draft_share = self.source.draft_share(getattr(run, "model", None))
         self.clock = StepClock(self.estimate_ms, getattr(run, "step_ms", {}) if self.timed else {})
         if fresh:
-            # E_b of the chain blocks: tokens and rounds; the last run's, weighed as
-            # NARROW_ROUNDS rounds at most.
-            old = getattr(self, "chain_at", None) or {b: (0.0, 0) for b in self.chain_blocks()}
-            self.chain_at = {b: (t * min(1.0, NARROW_ROUNDS / n), min(n, NARROW_ROUNDS)) if n else (0.0, 0)
-                             for b, (t, n) in old.items()}
+            self.commits = BlockCommits(self.chain_blocks(), getattr(self, "commits", None))   # E_b
             K = self.branches
             self.rounds = 0                         # drafting rounds at `block` (the gate's data)
             self.narrow_rounds = 0
@@ -214,12 +208,6 @@ class D2SD(DrafterChoice, LinearSS):
         value = self.mean_chain() if chain is None else chain
         return value + sum(self.hit_rate(j) * self.mean_extra(j) for j in range(k))
 
-    def expected_chain(self, block: int) -> float | None:
-        """E_b: what a chain round of `block` commits, the mean over the rounds that saw it (None
-        before NARROW_ROUNDS did)."""
-        tokens, rounds = self.chain_at[block]
-        return tokens / rounds if rounds >= NARROW_ROUNDS else None
-
     def choose_block(self, k: int) -> int:
         """The round's block: the narrow chain where E_narrow / T(narrow, k0) beats the round
         at `block` with k branches (its chain's E_block, the branches' gains on top); `block`
@@ -229,7 +217,7 @@ class D2SD(DrafterChoice, LinearSS):
         """
         if not (self.narrow and self.gate):
             return self.block
-        e_narrow, e_wide = self.expected_chain(self.narrow), self.expected_chain(self.block)
+        e_narrow, e_wide = self.commits.mean(self.narrow), self.commits.mean(self.block)
         if e_narrow is None or e_wide is None:
             return self.block
         wide = self.branch_value(k, e_wide) / self.price(self.block, k)
@@ -278,8 +266,7 @@ class D2SD(DrafterChoice, LinearSS):
         laid = seq.state.get("branches", K)
         if seq.block != self.block:                 # a narrow chain round: E_narrow only
             self.narrow_rounds += 1
-            t, n = self.chain_at[seq.block]
-            self.chain_at[seq.block] = (t + tokens, n + 1)
+            self.commits.add(seq.block, tokens)
             return
         chain = tokens
         for j in range(K):
@@ -292,8 +279,7 @@ class D2SD(DrafterChoice, LinearSS):
         self.rounds += 1
         self.chain_tokens += chain
         for b in self.chain_blocks():               # what a chain of b would have committed
-            t, n = self.chain_at[b]
-            self.chain_at[b] = (t + min(chain, b), n + 1)
+            self.commits.add(b, min(chain, b))
 
     def plan_round(self, seqs) -> list[Plan]:
         """One k for the round's drafting step (its rows run one step: D²SD does not bucket);
@@ -318,8 +304,8 @@ class D2SD(DrafterChoice, LinearSS):
                 drafts = self.switch.next_block(q, block, block,
                                                 lambda b, lk=last_k: self.price(b, lk), look_pays,
                                                 self.block_rounds, first_pays=first_pays) != AR_BLOCK
-            self.block_rounds[block if drafts else AR_BLOCK] = \
-                self.block_rounds.get(block if drafts else AR_BLOCK, 0) + 1
+            taken = block if drafts else AR_BLOCK
+            self.block_rounds[taken] = self.block_rounds.get(taken, 0) + 1
             if not drafts:
                 plans.append(Plan(AR_BLOCK, AR_VARIANT))
             else:               # every drafting request takes the round's block (one step)
@@ -341,7 +327,7 @@ class D2SD(DrafterChoice, LinearSS):
                 "hit_rates": [round(self.hit_rate(j), 4) for j in range(self.branches)],
                 "mean_extra": [round(self.mean_extra(j), 3) for j in range(self.branches)],
                 "mean_chain_tokens": round(self.mean_chain(), 3),
-                "expected_chain": {b: round(t / n, 3) for b, (t, n) in self.chain_at.items() if n},
+                "expected_chain": self.commits.report(),
                 "block_share": {b: c / all_rounds for b, c in sorted(self.block_rounds.items())},
                 "prices": "measured" if self.timed else "profile", "profile_check": self.clock.check()}
 
