@@ -127,8 +127,10 @@ def print_tables(console, runs: list[dict], records, block: int | None = None) -
     tidar = [r for r in runs if "block_choice" in (r.get("method_report") or {})]
     if tidar:
         tab = Table(title="TiDAR — the block each run chose (argmax V(B) / T(C, B + B²)): the "
-                          "acceptance rate a it judged by, and its best three blocks' tokens per ms")
-        for col in ("method", "C", "rows", "a", "B", "best blocks (tokens/ms)", "τ", "seed hits"):
+                          "acceptance rate a it judged by, its best three blocks' tokens per ms, "
+                          "and the share of plain AR rounds")
+        for col in ("method", "C", "rows", "a", "B", "best blocks (tokens/ms)", "τ", "seed hits",
+                    "AR rounds", "looks"):
             tab.add_column(col, justify="left" if col in ("method", "best blocks (tokens/ms)") else "right")
         for r in tidar:
             m = r["method_report"]
@@ -137,7 +139,8 @@ def print_tables(console, runs: list[dict], records, block: int | None = None) -
             tab.add_row(escape(r["method"]), str(r["concurrency"]), str(ch["rows"]),
                         f"{ch['accept_rate']:.2f}", str(m.get("block", ch["block"])),
                         " ".join(f"{b}:{v:.4f}" for b, v in top), f"{m['tau']:.2f}",
-                        f"{m.get('seed_hit_share', 0):.0%}")
+                        f"{m.get('seed_hit_share', 0):.0%}", f"{m.get('ar_share', 0):.0%}",
+                        str(m.get("looks", 0)))
         console.print(tab)
     checks = [r for r in runs if ((r.get("method_report") or {}).get("profile_check") or {}).get("steps")]
     if checks:

@@ -185,8 +185,13 @@ def environment(engines, model: str) -> dict:
     from fastspec.weights import weight_precision
     first = engines[0]
     try:
+        here = os.path.dirname(__file__)
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=os.path.dirname(__file__)).stdout.strip() or None
+                                text=True, cwd=here).stdout.strip() or None
+        # A run of uncommitted code says so: "ba0b747+dirty" (tracked files changed).
+        if commit and subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                     capture_output=True, text=True, cwd=here).stdout.strip():
+            commit += "+dirty"
     except OSError:
         commit = None
     ran = ",".join(ran_backend(e.runner, e.device) for e in engines)

@@ -232,7 +232,7 @@ def test_greedy_tidar_with_guessed_seeds_equals_ar(drafter, convention):
         ps = prompts(5, seed=10)
         params = SamplingParams(max_new_tokens=24, ignore_eos=True)
         ar = engine.generate(ps, params, method="ar", concurrency=3)
-        m = TiDAR(block=4, seed="guess")
+        m = TiDAR(block=4, seed="guess", ar=0)
         out = engine.generate(ps, params, method=m, concurrency=3)
         assert [c.token_ids for c in out] == [c.token_ids for c in ar]
         assert m.report()["warm_rounds"] > 0
@@ -275,7 +275,7 @@ def test_on_a_predictable_model_seeds_are_hit_and_every_later_round_is_one_forwa
     ps = [[5, 6, 7, 7, 7], [9, 9, 9], [3, 4, 3, 4], [8, 8, 5]]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     ar = engine.generate(ps, params, method="ar", concurrency=2)
-    m = TiDAR(block=4, seed="guess")
+    m = TiDAR(block=4, seed="guess", ar=0)
     out = engine.generate(ps, params, method=m, concurrency=2)
     assert [c.token_ids for c in out] == [c.token_ids for c in ar]
     # Prefill + a two-forward cold round + one forward per later round.
@@ -296,7 +296,7 @@ def test_carried_state_survives_rounds_and_is_cleared_on_admit_and_retire():
         seen.append(engine.carry["valid"][:2].clone())
 
     ps = [[5, 6, 7, 7, 7], [9, 9, 9], [3, 4, 3, 4], [8, 8]]
-    engine.generate(ps, SamplingParams(max_new_tokens=30, ignore_eos=True), method=TiDAR(block=4),
+    engine.generate(ps, SamplingParams(max_new_tokens=30, ignore_eos=True), method=TiDAR(block=4, ar=0),
                     concurrency=2, on_commit=watch)
     assert any(v.all() for v in seen)                   # both slots carried a pre-draft
     assert not engine.carry["valid"].any() and not engine.carry["drafts"].any()
@@ -316,10 +316,10 @@ def test_compiled_tidar_rounds_equal_ar_without_recompiles(drafter):
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     ar = Engine(drafter, backend="eager").generate(ps, params, method="ar", concurrency=3)
     engine = Engine(drafter, backend="compile", compiler="aot_eager")
-    out = engine.generate(ps, params, method=TiDAR(block=3), concurrency=3)
+    out = engine.generate(ps, params, method=TiDAR(block=3, ar=0), concurrency=3)
     assert [c.token_ids for c in out] == [c.token_ids for c in ar]
     assert engine.last_stats.recompiles == 0
-    layouts = {k.layout for k in engine.runner.stats() if k.method == "tidar(B=3,seed=mask)"}
+    layouts = {k.layout for k in engine.runner.stats() if k.method == "tidar(B=3,seed=mask,ar=0)"}
     assert layouts == {"tidar:cold", "tidar:warm"}
 
 
@@ -355,7 +355,7 @@ def test_sampled_tidar_preserves_the_target_distribution(pair_law, seed):
     """Tokens 4 and 5 are (mostly) verified by warm rounds from carried sub-blocks, seeded right
     or wrong (or seedless): TiDAR's empirical law approaches AR's exact law, the distance
     shrinking."""
-    tv, trials, misses = sampled_pair_tv(*pair_law, TiDAR(block=3, seed=seed))
+    tv, trials, misses = sampled_pair_tv(*pair_law, TiDAR(block=3, seed=seed, ar=0))
     assert trials > 1500 and misses > 300     # carried drafts were verified, wrong seeds among them
     assert tv[1] < tv[0] and tv[1] < 0.045, tv
 
@@ -373,7 +373,7 @@ class UniformClaim(TiDAR):
 
 
 def test_the_law_check_sees_wrong_draft_probabilities(pair_law):
-    tv, _, _ = sampled_pair_tv(*pair_law, UniformClaim(block=3))
+    tv, _, _ = sampled_pair_tv(*pair_law, UniformClaim(block=3, ar=0))
     assert tv[1] > 0.08, tv
 
 
@@ -388,7 +388,7 @@ def test_the_acceptance_rate_is_learned_from_warm_rounds_only():
     """a = (accepted + 1) / (accepted + rejections + 2) over the rounds that verified a
     pre-draft: the cold round's ordinary draft is left out."""
     from types import SimpleNamespace
-    m = TiDAR(block=3)
+    m = TiDAR(block=3, ar=0)
     assert m.accept_rate() == 0.5                               # Laplace: no data yet
     seq = SimpleNamespace(host=None, state={})
     hosts = [None,                  # first round: cold
@@ -432,7 +432,7 @@ def test_auto_tidar_runs_the_chosen_block_and_equals_ar(drafter):
     ps = prompts(5, seed=12)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     ar = engine.generate(ps, params, method="ar", concurrency=2)
-    m = TiDAR()
+    m = TiDAR(ar=0)
     engine._forward_cost = lambda rows, tokens: 10.0 if tokens <= 12 else 10.0 * tokens
     out = engine.generate(ps, params, method=m, concurrency=2)
     assert [c.token_ids for c in out] == [c.token_ids for c in ar]
@@ -444,7 +444,7 @@ def test_auto_tidar_runs_the_chosen_block_and_equals_ar(drafter):
     assert [c.token_ids for c in out] == [c.token_ids for c in ar]
     assert m.block == 2
     ran = {k.method for k in engine.runner.stats()}
-    assert {"tidar(B=3,seed=mask)", "tidar(B=2,seed=mask)"} <= ran
+    assert {"tidar(B=3,seed=mask,ar=0)", "tidar(B=2,seed=mask,ar=0)"} <= ran
 
 
 def test_a_block_outside_the_range_is_one_clear_error():
@@ -452,3 +452,85 @@ def test_a_block_outside_the_range_is_one_clear_error():
     for bad in (1, 17, "big", 2.5):
         with pytest.raises(FastspecError, match="auto or an integer"):
             TiDAR(block=bad)
+
+
+def test_warm_rounds_that_lose_to_ar_switch_to_ar_and_a_look_starts_cold():
+    """AR rounds (methods/ar_rounds.py), judged on warm rounds only: the cold round's draft
+    forward is a look's entry fee, not its rate. T(rows, tokens) = 10 + tokens: AR 11 ms, a warm
+    B=3 round (12 tokens) 22 ms; 1 token a warm round (.045 a ms) loses to .9 / 11 (.082)."""
+    from types import SimpleNamespace
+    from fastspec.methods.ar_rounds import EXPLORE
+    from fastspec.methods.base import RunInfo
+    m = TiDAR(block=3, prices="profile")
+    m.look_by_best = False                      # a look is judged at a perfect draft (3 / 22)
+    m.begin(RunInfo(1, 1, set(), {}, forward_ms=lambda rows, tokens: 10.0 + tokens))
+    seq = SimpleNamespace(host=None, state={}, block=0, accept_lengths=[])
+
+    def next_round(host, committed):
+        seq.host = host
+        if committed:
+            seq.accept_lengths.append(committed)
+        plan = m.plan_round([seq])[0]
+        seq.block = plan.block                  # (what the engine does with a plan)
+        return plan.variant
+
+    assert next_round(None, 0) == "cold"                        # a perfect draft would pay
+    assert next_round([0, 0, 1], 1) == "warm"                   # cold: not judged
+    assert [next_round([0, 0, 1], 1) for _ in range(3)] == ["warm", "warm", "ar"]
+    ar_rounds = 1
+    while next_round([0, 0, 0], 1) == "ar":
+        ar_rounds += 1
+        assert ar_rounds < 100
+    assert ar_rounds == EXPLORE                                 # then a look, cold: no pre-draft
+    assert next_round([0, 0, 1], 1) == "warm"
+    rep = m.report()
+    assert (rep["cold_rounds"], rep["ar_rounds"], rep["looks"]) == (2, EXPLORE, 1)
+    assert (m.accepted_drafts, m.rejections) == (0, 3)          # a's data: the warm rounds only
+
+
+def test_tidar_where_drafting_cannot_pay_takes_ar_rounds_and_equals_ar(drafter):
+    """A device on which every token costs its full price (T = 10 · rows · tokens): not even
+    a perfect warm round (2 tokens for 6) beats AR, so every round is one AR forward and no
+    pre-draft is ever carried."""
+    engine = Engine(drafter, backend="eager")
+    ps = prompts(4, seed=13)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    ar = engine.generate(ps, params, method="ar", concurrency=2)
+    engine._forward_cost = lambda rows, tokens: 10.0 * rows * tokens
+    m = TiDAR(block=2, prices="profile")
+    seen = []
+    out = engine.generate(ps, params, method=m, concurrency=2,
+                          on_commit=lambda i, toks, n: seen.append(engine.carry["valid"].any()))
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    rep = m.report()
+    assert rep["ar_share"] == 1.0 and rep["warm_rounds"] == rep["cold_rounds"] == 0, rep
+    assert not any(seen)
+    assert [c.forwards for c in out] == [c.rounds + 1 for c in out]     # prefill + one a round
+
+
+def test_tidar_mixing_ar_and_drafting_rounds_equals_ar(drafter):
+    """Where a perfect draft would pay and the drafter's do not, requests switch to AR, look
+    again (cold: the AR round dropped the pre-draft) and stay AR's tokens."""
+    engine = Engine(drafter, backend="eager")
+    ps = prompts(4, seed=14)
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    ar = engine.generate(ps, params, method="ar", concurrency=2)
+    engine._forward_cost = lambda rows, tokens: 10.0 + 1.0 * tokens
+    m = TiDAR(block=3, prices="profile")
+    m.look_by_best = False
+    out = engine.generate(ps, params, method=m, concurrency=2)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ar]
+    rep = m.report()
+    assert 0 < rep["ar_share"] < 1 and rep["looks"] >= 1, rep
+    # The first two requests start cold, the two admitted later with AR rounds (the run's
+    # rounds are mostly AR: ARSwitch.first_is_ar), and every look starts cold.
+    assert rep["cold_rounds"] == 2 + rep["looks"], rep
+    assert rep["warm_rounds"] == rep["seed_trials"] > 0, rep
+
+
+def test_tidar_refuses_bad_ar_and_prices_options():
+    from fastspec.config import FastspecError
+    with pytest.raises(FastspecError, match="ar must be 0 or 1"):
+        TiDAR(ar=2)
+    with pytest.raises(FastspecError, match="prices must be measured or profile"):
+        TiDAR(prices="guess")

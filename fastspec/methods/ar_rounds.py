@@ -279,14 +279,16 @@ class ARSwitch:
         return True
 
     def next_block(self, seq, start: int, wanted: int | None, price, look_pays: bool,
-                   taken: dict[int, int], first_pays: bool | None = None) -> int:
+                   taken: dict[int, int], first_pays: bool | None = None, judged: bool = True) -> int:
         """The block of the request's next round, AR_BLOCK or a drafting one, for a method with
         AR rounds in its set. start: the method's start block (a first round's, and a look's by
         a request that has not drafted yet); wanted: what the method's rule
         wants after the drafting round just run (None after an AR round or before the first);
         price(block): ms of a round of that block at the run's batch (block 1: an AR round);
         look_pays: a look could beat AR (draft_could_pay); taken: rounds per block so far in the run;
-        first_pays: a first round could beat AR (draft_could_pay at `first_bound`; None: look_pays).
+        first_pays: a first round could beat AR (draft_could_pay at `first_bound`; None: look_pays);
+        judged: the drafting round just run counts toward the request's rate (TiDAR's cold
+        rounds do not: a look pays its draft forward once, not every round).
 
             first round                -> start, or AR (first_is_ar)
             after a drafting round     -> wanted (kept for a later look), or AR (next_is_ar)
@@ -298,8 +300,9 @@ class ARSwitch:
             return AR_BLOCK if ar else start
         if seq.block != AR_BLOCK:
             seq.state["wanted"] = wanted
-            self.record(seq, seq.accept_lengths[-1] if seq.accept_lengths else 0,
-                        self.round_ms or price(seq.block))
+            if judged:
+                self.record(seq, seq.accept_lengths[-1] if seq.accept_lengths else 0,
+                            self.round_ms or price(seq.block))
         if self.next_is_ar(seq, price(AR_BLOCK), look_pays):
             return AR_BLOCK
         return seq.state.get("wanted") or start

@@ -64,17 +64,32 @@ interleaved bench does not rebuild steps for a 1% difference. With the shipped p
 Zen 4 at fp32 (T(6) = 22.4 ms, T(12) = 34.1, T(20) = 49.8, T(72) = 152 at C=1) picks B = 2 for
 every a up to 0.95, at C = 1, 4, 16; an H200 at C=1 picks B = 6 at a = 0.5 and 12 at a = 0.8
 (3 and 6 at C=16). `block=N` fixes B.
+
+AR rounds (`ar=1`, the default; `tidar[ar=0]` always drafts): as LibraSpec, D²SD and BASTION do
+(methods/ar_rounds.py), a request takes plain AR rounds (one forward of its seed) where its warm
+rounds commit clearly fewer tokens per ms than AR rounds would, judged on this run's measured step
+times (`prices=profile`: the profile's alone) once 3 warm rounds came in; after EXPLORE AR rounds it
+looks at its drafts again where a draft as good as the run's best could pay. A cold round is not
+judged: it is what a look pays once to get its first pre-draft, not what drafting costs per round.
+An AR round drops the carried pre-draft (it no longer lines up with the sequence), so a look starts
+cold. Even B = 2's 6-token forward costs 2 AR steps at 4 rows on a 2-core CPU, so under load TiDAR
+now runs AR rounds where it used to draft (C=4, math suite, Zen 4: 0.69x -> 0.93x AR,
+results/tidar_ar_rounds_c124_zen4_1208.json); at C = 1 and 2 it keeps drafting.
 """
 from __future__ import annotations
 
 import torch
 
+from collections import Counter
+
 from fastspec.config import FastspecError
 from fastspec.convention import aligned_draft_logits
-from fastspec.methods.base import CarrySpec, Method, Plan, RoundOutput, fresh_counts
+from fastspec.methods.ar_rounds import AR_BLOCK, AR_VARIANT, ARSwitch, ar_round, draft_could_pay
+from fastspec.methods.base import CarrySpec, Method, Plan, RoundOutput, RunInfo, fresh_counts
 from fastspec.methods.drafter import draft_stats_and_alternatives
-from fastspec.methods.linear import LinearSS
+from fastspec.methods.linear import SELF_DRAFT, LinearSS
 from fastspec.methods.recguide import aligned_bonus_guess, overlap_layout
+from fastspec.methods.step_clock import StepClock
 from fastspec.sampling import filtered_logprobs, sample_from_logprobs
 from fastspec.verify import accept_chain
 
@@ -82,6 +97,7 @@ STREAM_PREDRAFT = 24            # the random stream of the selected sub-block's 
 # Host values a round returns per row: the selected sub-block's seed guess was the emitted token,
 # the accepted count (= the selected sub-block), a pre-draft is carried.
 H_SEED_HIT, H_ACCEPTED, H_VALID = 0, 1, 2
+HOST_COLUMNS = 3
 MIN_BLOCK, MAX_BLOCK = 2, 16
 BLOCK_CHOICES = (2, 3, 4, 6, 8, 12, 16)     # what `block=auto` chooses from
 CHANGE_MARGIN = 1.05                        # ... and how much faster another B must look
@@ -96,19 +112,28 @@ class TiDAR(LinearSS):
     # suite's B = 8 (a B = 8 round is one 72-token forward; on a CPU 3x a B = 4 round's 20 tokens).
     bench_block = "auto"
 
-    def __init__(self, block: int | str = "auto", seed: str = "mask"):
+    def __init__(self, block: int | str = "auto", seed: str = "mask", ar: int = 1,
+                 prices: str = "measured"):
         """seed: how the correction sub-blocks start: "mask" (seedless, TiDAR's layout) or
         "guess" (the draft's alternative token).
         block: B, the verify width; a round's forward has B + B² tokens per row. "auto": chosen
-        per run from the device's profile and the acceptance seen so far (module docstring)."""
+        per run from the device's profile and the acceptance seen so far (module docstring).
+        ar: 1, a request takes plain AR rounds where its warm rounds commit clearly fewer tokens
+        per ms than AR would (module docstring, methods/ar_rounds.py); 0, it always drafts.
+        prices: "measured" (this run's step times, StepClock) or "profile" (the profile's alone)."""
         auto = block == "auto"
         if not auto and (not isinstance(block, int) or not MIN_BLOCK <= block <= MAX_BLOCK):
             raise FastspecError(f"--block for tidar must be auto or an integer in {MIN_BLOCK}..{MAX_BLOCK}, "
                                 f"got {block!r}")
         if seed not in ("guess", "mask"):
             raise FastspecError(f"tidar: seed must be mask or guess, got {seed!r}")
+        if ar not in (0, 1):
+            raise FastspecError(f"tidar: ar must be 0 or 1, got {ar!r}")
+        if prices not in ("measured", "profile"):
+            raise FastspecError(f"tidar: prices must be measured or profile, got {prices!r}")
         Method.__init__(self, 4 if auto else block)     # (auto: until the first run chooses)
-        self.auto, self.seed = auto, seed
+        self.auto, self.seed, self.ar = auto, seed, bool(ar)
+        self.timed = self.ar and prices == "measured"   # the AR switch reads measured step times
         self.eos_ids: tuple[int, ...] = ()
         # Warm verify positions seen on this engine (every run, every B): drafts accepted, and
         # rejections (a round that stopped before its last draft). Not reset by begin().
@@ -119,11 +144,11 @@ class TiDAR(LinearSS):
 
     # --- host side --------------------------------------------------------------------------
     def key_name(self) -> str:
-        return f"tidar(B={self.block},seed={self.seed})"
+        return f"tidar(B={self.block},seed={self.seed},ar={int(self.ar)})"
 
     def timing_name(self) -> str:
         # Read before begin() chooses B; step times are kept per (rows, width, variant) anyway.
-        return f"tidar(B=auto,seed={self.seed})" if self.auto else self.key_name()
+        return f"tidar(B=auto,seed={self.seed},ar={int(self.ar)})" if self.auto else self.key_name()
 
     @property
     def seedless(self) -> bool:
@@ -158,32 +183,101 @@ class TiDAR(LinearSS):
             self.eos_ids = tuple(sorted(run.eos_ids))
             if self.auto:
                 self.block = self.choose_block(run.rows, run.forward_ms)
-        if fresh_counts(run):
+        fresh = fresh_counts(run)
+        run = run or RunInfo(1, 1, set(), {})          # a nominal cost model until a run gives one
+        self.rows, self.forward_ms = max(run.rows, 1), run.forward_ms
+        self.clock = StepClock(self.estimate_ms, getattr(run, "step_ms", {}) if self.timed else {})
+        if fresh:
             self.seqs: dict = {}            # this run's requests (report() reads their counts)
             self.seed_trials = 0            # rounds whose pre-draft a next round verified
             self.seed_hits = 0              # ... whose seed guess was the emitted token
+            self.variant_rounds: Counter = Counter()        # cold / warm / ar -> rounds
+            self.block_rounds: dict[int, int] = {}          # B or AR_BLOCK -> rounds (ARSwitch's)
+            self.switch = ARSwitch.after(getattr(self, "switch", None))   # who drafts, who takes AR rounds
 
     def block_for(self, seq) -> int:
         self.seqs[id(seq)] = seq            # (indices restart in each part of an interleaved run)
         return self.block
 
     def plans(self) -> list[Plan]:
-        return [Plan(self.block, "cold"), Plan(self.block, "warm")]
+        return [Plan(self.block, "cold"), Plan(self.block, "warm")] + \
+            ([Plan(AR_BLOCK, AR_VARIANT)] if self.ar else [])
 
-    def plan(self, seq) -> Plan:
+    # --- host side: AR rounds -----------------------------------------------------------------
+    def estimate_ms(self, rows: int, width: int, variant: str) -> float:
+        """The profile's ms of a step: an AR round's forward, a warm round's B + B² tokens, or a
+        cold round's draft forward (B) before them."""
+        if variant == AR_VARIANT:
+            return self.forward_ms(rows, 1)
+        warm = self.forward_ms(rows, width + width * width)
+        return warm + (self.forward_ms(rows, width) if variant == "cold" else 0.0)
+
+    def price(self, block: int, variant: str = "warm") -> float:
+        """ms of a round at the run's batch (TiDAR's steps all run at the batch's rows): an AR
+        round (block AR_BLOCK), else a round of `variant`, as this run measures its steps."""
+        if block == AR_BLOCK:
+            return self.clock.time(self.rows, 1, AR_VARIANT)
+        return self.clock.time(self.rows, block, variant)
+
+    def look_pays(self, first: bool = False) -> bool:
+        """Could a warm round beat AR were it accepted as far as the run's best request's so far
+        (before any: every draft, B tokens)? A look's cold round is paid once per look, not per
+        round, and is left out. first: a new request's first round (`ARSwitch.first_bound`)."""
+        return draft_could_pay([(self.block, self.price(self.block))], self.price(AR_BLOCK),
+                               self.switch.bound(first, self.look_by_best))
+
+    def observe(self, seq) -> None:
+        """Book the request's last round: a warm round's verify positions are a's data."""
         h = seq.host
-        if h and seq.state.get("warm"):             # the round just read was warm: a's data
+        if h and seq.state.get("variant") == "warm":
             self.accepted_drafts += h[H_ACCEPTED]
             self.rejections += h[H_ACCEPTED] < self.block - 1
-        seq.state["warm"] = bool(h and h[H_VALID])
-        if seq.state["warm"]:
-            self.seed_trials += 1
-            self.seed_hits += h[H_SEED_HIT]
-            return Plan(self.block, "warm")
-        return Plan(self.block, "cold")
+
+    def plan_round(self, seqs) -> list[Plan]:
+        """Each request's next round: warm where its last round left a pre-draft, cold where it
+        did not (its first round, or after an AR round); with `ar`, AR where its warm rounds
+        commit clearly fewer tokens per ms than AR rounds would (ARSwitch, judged on warm rounds
+        only: a look's one cold round is its entry fee, not its rate).
+
+            cold, warm, warm, warm -> judged (3 warm rounds): AR x16 -> look: cold, warm, ...
+        """
+        for q in seqs:
+            self.observe(q)
+        if self.ar:
+            # A round that mixed drafting and AR requests is judged at what it cost.
+            self.switch.price_last_round(seqs, lambda n, b: self.price(b), self.price_mixed_rounds)
+            look_pays, first_pays = self.look_pays(), self.look_pays(first=True)
+        plans = []
+        for q in seqs:
+            h, last = q.host, q.state.get("variant")
+            block = self.block
+            if self.ar:
+                block = self.switch.next_block(q, self.block, self.block,
+                                               lambda b, v=last: self.price(b, v or "warm"), look_pays,
+                                               self.block_rounds, first_pays=first_pays,
+                                               judged=last == "warm")
+            self.block_rounds[block] = self.block_rounds.get(block, 0) + 1
+            if block == AR_BLOCK:
+                variant = AR_VARIANT
+            elif h and h[H_VALID]:
+                variant = "warm"
+                self.seed_trials += 1
+                self.seed_hits += h[H_SEED_HIT]
+            else:
+                variant = "cold"
+            q.state["variant"] = variant
+            self.variant_rounds[variant] += 1
+            plans.append(Plan(block, variant))
+        return plans
+
+    def plan(self, seq) -> Plan:
+        return self.plan_round([seq])[0]
 
     def forwards_for(self, variant: str) -> int:
         return 2 if variant == "cold" else 1
+
+    def step_width(self, plan: Plan) -> int:
+        return 1 if plan.variant == AR_VARIANT else self.max_width()
 
     def max_width(self) -> int:
         # Before a run has chosen (`bench` reserves the cache for every method first): the
@@ -201,22 +295,26 @@ class TiDAR(LinearSS):
         return spec
 
     def report(self) -> dict:
-        """The last run's rounds, the share of verified pre-drafts whose seed guess was right, τ
-        (tokens committed per round) and tokens per forward (prefill included, as the engine's
-        RunStats counts it; `decode_tokens_per_forward` leaves the prefill out)."""
+        """The last run's rounds (cold, warm and AR), the share of verified pre-drafts whose seed
+        guess was right, τ (tokens committed per round, AR rounds included) and tokens per
+        forward (prefill included, as the engine's RunStats counts it;
+        `decode_tokens_per_forward` leaves the prefill out)."""
         seqs = list(self.seqs.values())
         rounds = sum(s.rounds for s in seqs)
         committed = sum(sum(s.accept_lengths) for s in seqs)
         forwards = sum(s.forwards for s in seqs)
         prefills = sum(1 for s in seqs if s.forwards)
-        cold = sum(1 for s in seqs if s.rounds)
-        return {"rounds": rounds, "cold_rounds": cold, "warm_rounds": rounds - cold,
+        v = self.variant_rounds
+        return {"rounds": rounds, "cold_rounds": v["cold"], "warm_rounds": v["warm"],
+                "ar_rounds": v[AR_VARIANT], "ar_share": v[AR_VARIANT] / max(sum(v.values()), 1),
+                "looks": self.switch.looks, "ar": int(self.ar),
                 "seed_trials": self.seed_trials, "seed_hits": self.seed_hits,
                 "seed_hit_share": self.seed_hits / max(self.seed_trials, 1),
                 "tau": committed / max(rounds, 1), "block": self.block,
                 **({"block_choice": dict(self.block_choice)} if self.block_choice else {}),
                 "tokens_per_forward": sum(len(s.output_ids) for s in seqs) / max(forwards, 1),
-                "decode_tokens_per_forward": committed / max(forwards - prefills, 1)}
+                "decode_tokens_per_forward": committed / max(forwards - prefills, 1),
+                "prices": "measured" if self.timed else "profile", "profile_check": self.clock.check()}
 
     # --- inside the step --------------------------------------------------------------------
     def layout_tokens(self, step, verify_ids: torch.Tensor, alt: torch.Tensor,
@@ -237,6 +335,11 @@ class TiDAR(LinearSS):
         return overlap_layout(step, verify_ids, None, anchors, firsts, seeded)
 
     def round(self, step, pending, blocks, carry, variant="") -> RoundOutput:
+        if variant == AR_VARIANT:
+            # The carried pre-draft no longer lines up with the sequence: the next round is cold.
+            out = ar_round(SELF_DRAFT, step, pending, carry, HOST_COLUMNS)
+            out.carry = dict(carry, valid=torch.zeros_like(carry["valid"]))
+            return out
         n, S, dev = step.width, pending.shape[0], pending.device
         conv, s = step.convention, step.sampler
         rows = torch.arange(S, device=dev)
