@@ -7,7 +7,9 @@ accepted (`n_drafted`) and the row's block size b. Only the accepted run and the
 say anything about a position, so each round contributes
 
     j <  skip                     not counted (an exact draft: fastspec's d1 is the verifier's own
-                                  next token and always accepted; see `exact_positions`)
+                                  next token and always accepted; see `exact_positions`). skip
+                                  is per round where rounds differ: a TiDAR warm round's d1
+                                  and a DFlash drafter's are guesses (Method.exact_drafts)
     j <  accepted                 label 1 (accepted)
     j == accepted, j < b - 1      label 0 (the first rejection)
     later positions               not counted (never judged on their own)
@@ -62,12 +64,17 @@ def exact_positions(convention) -> int:
                and not convention.seed_adapter)
 
 
-def position_labels(n_drafted, block, width: int | Sequence[int], skip: int = 0) -> list[np.ndarray]:
-    """Per round: 1 accepted, 0 first rejection, -1 not counted, for each of the row's positions."""
+def position_labels(n_drafted, block, width: int | Sequence[int],
+                    skip: int | Sequence[int] = 0) -> list[np.ndarray]:
+    """Per round: 1 accepted, 0 first rejection, -1 not counted, for each of the row's positions.
+    skip: leading exact indices, for every round or per round."""
     acc, blk = _np(n_drafted, np.int64).reshape(-1), _np(block, np.int64).reshape(-1)
     widths = [width] * len(acc) if isinstance(width, int) else list(width)
+    skips = [skip] * len(acc) if isinstance(skip, (int, np.integer)) else list(skip)
+    if len(skips) != len(acc):
+        raise ValueError("skip must be one number or one per round")
     out = []
-    for a, b, n in zip(acc, blk, widths):
+    for a, b, n, skip in zip(acc, blk, widths, skips):
         j = np.arange(n)
         lab = np.full(n, -1, dtype=np.int64)
         lab[j < a] = 1
@@ -176,7 +183,7 @@ def calibration_metrics(draft_prob, draft_confidence, draft_margin, n_drafted, b
                         bins: int = 10, skip: int = 0, calibration=None) -> dict:
     """Metrics from per-round arrays: draft_prob / draft_confidence / draft_margin [R, n] (or
     ragged rows), n_drafted [R] accepted drafts, block [R] block sizes; skip: leading exact
-    indices left out; calibration: a fastspec.draft.DraftCalibration whose calibrated ECE, Brier
+    indices left out (one number, or one per round); calibration: a fastspec.draft.DraftCalibration whose calibrated ECE, Brier
     and log loss are reported beside the raw ones. See the module doc."""
     top1, margin = _rows(draft_confidence), _rows(draft_margin)
     p, y, index, blk, keep = _judged(draft_prob, n_drafted, block, skip)
@@ -189,7 +196,8 @@ def calibration_metrics(draft_prob, draft_confidence, draft_margin, n_drafted, b
     out = {
         "rounds": len(top1),
         "positions": int(len(y)),
-        "exact_positions": skip,
+        "exact_positions": skip if isinstance(skip, (int, np.integer)) else max(skip, default=0),
+        **({} if isinstance(skip, (int, np.integer)) else {"exact_rounds": int(sum(s > 0 for s in skip))}),
         "accepted": int(y.sum()),
         "first_rejections": int((y == 0).sum()),
         "accept_rate": float(y.mean()) if len(y) else float("nan"),
@@ -333,6 +341,7 @@ class DraftStats:
         self._parts: list[tuple[int, torch.Tensor]] = []
         self.requests: list[int] = []
         self.blocks: list[int] = []
+        self.exact: list[bool] = []              # per row: its first draft may be exact (Method.exact_drafts)
         self.seconds = 0.0
         self.index_base = 0                      # added to the generate indices (resume)
 
@@ -348,7 +357,8 @@ class DraftStats:
             return
         t0 = time.perf_counter()
         self._seen = rounds
-        for _plan, members, out in rounds:
+        meth = getattr(self.engine, "last_method", None)
+        for plan, members, out in rounds:
             stats = (out.draft_prob, out.draft_confidence, out.draft_margin)
             if any(t is None for t in stats):
                 continue
@@ -356,6 +366,7 @@ class DraftStats:
                                 torch.cat([*(t.float() for t in stats), out.n_drafted[:, None].float()], 1)))
             self.requests += [self.index_base + q.index for q in members]
             self.blocks += [q.block for q in members]
+            self.exact += [meth is None or meth.exact_drafts(plan.variant)] * len(members)
         self.seconds += time.perf_counter() - t0
 
     def chain(self, on_commit=None):
@@ -368,7 +379,8 @@ class DraftStats:
 
     def arrays(self) -> dict | None:
         """Rows in round order: draft_prob / draft_confidence / draft_margin (ragged float rows),
-        n_drafted, block, request (the generate index); None when nothing drafted."""
+        n_drafted, block, request (the generate index), exact (the row's first draft may be
+        exact: Method.exact_drafts); None when nothing drafted."""
         if not self._parts:
             return None
         t0 = time.perf_counter()
@@ -387,7 +399,8 @@ class DraftStats:
             nd += x[:, 3 * w].astype(np.int64).tolist()
         self.seconds += time.perf_counter() - t0
         return {"draft_prob": prob, "draft_confidence": conf, "draft_margin": margin,
-                "n_drafted": nd, "block": list(self.blocks), "request": list(self.requests)}
+                "n_drafted": nd, "block": list(self.blocks), "request": list(self.requests),
+                "exact": list(self.exact)}
 
 
 def _clean(x):
@@ -404,12 +417,17 @@ def _clean(x):
 def bench_calibration(arrays: dict, bench_of: Sequence[str], skip: int = 0, calibration=None,
                       bins: int = 10, collect_s: float | None = None) -> dict:
     """The `calibration` block of a bench run: metrics over all rounds and per benchmark.
-    arrays: DraftStats.arrays(); bench_of[i]: the benchmark of generate request i."""
+    arrays: DraftStats.arrays(); bench_of[i]: the benchmark of generate request i; skip: the
+    convention's exact indices, left out of the rounds whose first draft may be exact."""
+    exact = arrays.get("exact") or [True] * len(arrays["request"])
+
     def metrics(sel):
+        skips = [skip if exact[i] else 0 for i in sel]
         return calibration_metrics(*([arrays[k][i] for i in sel] for k in
                                      ("draft_prob", "draft_confidence", "draft_margin")),
                                    [arrays["n_drafted"][i] for i in sel], [arrays["block"][i] for i in sel],
-                                   bins=bins, skip=skip, calibration=calibration)
+                                   bins=bins, skip=skip if all(exact[i] for i in sel) else skips,
+                                   calibration=calibration)
     benches = [bench_of[r] for r in arrays["request"]]
     everything = range(len(benches))
     out = {"exact_positions": skip, "calibrated": calibration is not None, "all": metrics(everything),

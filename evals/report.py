@@ -273,7 +273,9 @@ def calibration_tables(runs: list[dict]) -> list[Table]:
         skip = max(r["calibration"].get("exact_positions", 0) for r in mine)
         t = Table(title=f"Draft calibration — C={c}",
                   caption="positions: judged drafts (the accepted run and the first rejection"
-                          + (f"; d1{f'..d{skip}' if skip > 1 else ''} exact, left out" if skip else "")
+                          + (f"; d1{f'..d{skip}' if skip > 1 else ''} exact, left out, where a draft "
+                             "forward ran after the seed (TiDAR's pre-drafts and DFlash's d1 are judged)"
+                             if skip else "")
                           + "); ECE noise: the ECE of a perfectly calibrated drafter on as many "
                           "positions; AUC: risk 1 − (p1 − p2) ranks first rejections above accepted "
                           "drafts")

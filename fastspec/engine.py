@@ -270,6 +270,7 @@ class Engine:
         self.carry: dict[str, torch.Tensor] = {}
         self._carry_specs: dict = {}
         self.last_rounds: list = []
+        self.last_method: Method | None = None
         # Measured ms of each method's steps: {method key: {(rows, width, variant): EMA ms}}.
         self.step_ms: dict[str, dict[tuple[int, int, str], float]] = {}
         self.round_steps_ms = 0.0           # the current round's timed steps (Method.timed_round)
@@ -653,6 +654,7 @@ class Engine:
         call continues the method's last run (its report counts on; `bench --interleave`).
         """
         meth = self.method(method, block)
+        self.last_method = meth                 # (DraftStats reads what its rounds' drafts were)
         if meth.needs_adapter and not has_adapter(self.model):
             raise FastspecError(
                 f"method {meth.name!r} needs a draft adapter and {self.name} has none: train one with "

@@ -120,6 +120,30 @@ def test_exact_leading_drafts_are_not_judged():
     assert m["by_index"] == [{"index": 1, "count": 10, "accept_rate": 0.8, "mean_draft_prob": 0.8}]
 
 
+def test_a_round_whose_first_draft_is_a_guess_is_judged_from_index_0():
+    """skip per round: a TiDAR warm round's d1 was drafted before its seed was known (and a
+    DFlash drafter's d1 is its own guess), so it is judged where a draft forward's is not."""
+    labels = position_labels([0, 0, 1], [2, 2, 3], 2, skip=[1, 0, 0])
+    assert [l.tolist() for l in labels] == [[-1, -1], [0, -1], [1, 0]]
+    kw = dict(draft_prob=[[0.9]] * 4, draft_confidence=[[0.9]] * 4, draft_margin=[[0.5]] * 4,
+              n_drafted=[1, 1, 0, 1], block=[2] * 4)
+    m = calibration_metrics(**kw, skip=[1, 0, 0, 0])
+    assert m["positions"] == 3 and m["accepted"] == 2 and m["exact_rounds"] == 1
+    assert m["exact_positions"] == 1
+    with pytest.raises(ValueError, match="one per round"):
+        position_labels([0, 1], [2, 2], 2, skip=[1])
+
+
+def test_methods_say_whether_their_first_draft_can_be_exact():
+    from fastspec.methods import get_method
+    from fastspec.methods.tidar import TiDAR
+    assert get_method("linear").exact_drafts("") and get_method("bastion").exact_drafts("")
+    assert not get_method("dflash").exact_drafts("")
+    assert not get_method("libraspec[drafter=dflash]").exact_drafts("")
+    t = TiDAR(block=2)
+    assert t.exact_drafts("cold") and not t.exact_drafts("warm")
+
+
 def test_calibrated_metrics_apply_the_temperature_of_each_index():
     from fastspec.draft import DraftCalibration
     # Index 0 at p = 0.8, index 1 at p = 0.5; rounds of block 3 (both judged when 0 is accepted).
@@ -332,6 +356,16 @@ def test_bench_json_carries_calibration_for_a_drafting_method_and_not_for_ar(tmp
         return [rounded(v) for v in x] if isinstance(x, list) else x
     assert rounded(runs[("linear", 1)]["calibration"]["all"]) == rounded(runs[("linear", 2)]["calibration"]["all"])
     assert "Draft calibration — C=1" in text and "AUC risk" in text
+    # TiDAR's warm rounds verify pre-drafts made before their seed was known: at B=2 their one
+    # draft is judged; its cold rounds' d1 is exact and is not.
+    out_t = tmp_path / "t.json"
+    cli("bench", "--model", "tiny-random", "--adapter", adapter_dir, "--backend", "eager",
+        "--max-new-tokens", "12", "--prompts", str(prompts), "--method", "tidar[block=2;ar=0]",
+        "--concurrency", "1", "--json", str(out_t))
+    run = next(r for r in json.loads(out_t.read_text())["runs"] if r["method"].startswith("tidar"))
+    m, rep = run["calibration"]["all"], run["method_report"]
+    assert m["exact_rounds"] == rep["cold_rounds"] == 3 and m["rounds"] == rep["rounds"]
+    assert m["positions"] == rep["warm_rounds"] > 0 and m["by_index"][0]["index"] == 0
     # --plot draws the reliability diagram beside the other plots.
     plotted = cli("bench", "--plot", str(out))
     assert (tmp_path / "r_plots" / "reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

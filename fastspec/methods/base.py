@@ -170,6 +170,13 @@ class Method:
         """Per-slot tensors kept from one round to the next (static buffers the engine owns)."""
         return {}
 
+    def exact_drafts(self, variant: str) -> bool:
+        """Is a round of `variant`'s first draft exact where the model's convention makes it so
+        (a draft forward of the backbone after its seed: fastspec's d1 is the verifier's own
+        token)? False where it is a guess whatever the convention: a DFlash drafter's, TiDAR's
+        pre-drafts. The calibration report leaves exact drafts out (evals/calibration.py)."""
+        return getattr(getattr(self, "source", None), "convention_exact", True)
+
     def layout_name(self, variant: str) -> str:
         return self.layout if not variant else f"{self.layout}:{variant}"
 

@@ -106,6 +106,7 @@ class AdapterDraft:
     name = "self"
     needs_adapter = True
     has_context = False              # no carried state: positions are not needed
+    convention_exact = True          # d1 is exact where the model's convention says so
     prefill_capture = None
 
     missing_drafter = False
@@ -162,6 +163,7 @@ class DFlashDraft:
     name = "dflash"
     needs_adapter = False
     has_context = True               # the ring: drafts and commits need the rows' positions
+    convention_exact = False         # d1 is the drafter's guess, whatever the convention
 
     def __init__(self, window: int = 1024, drafter: DFlashDrafter | None = None):
         if window < 2:

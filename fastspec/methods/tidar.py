@@ -276,6 +276,10 @@ class TiDAR(LinearSS):
     def forwards_for(self, variant: str) -> int:
         return 2 if variant == "cold" else 1
 
+    def exact_drafts(self, variant: str) -> bool:
+        # A warm round verifies a pre-draft made before its seed was known: d1 is a guess.
+        return variant != "warm"
+
     def step_width(self, plan: Plan) -> int:
         return 1 if plan.variant == AR_VARIANT else self.max_width()
 
