@@ -419,14 +419,11 @@ def bench_calibration(arrays: dict, bench_of: Sequence[str], skip: int = 0, cali
     """The `calibration` block of a bench run: metrics over all rounds and per benchmark.
     arrays: DraftStats.arrays(); bench_of[i]: the benchmark of generate request i; skip: the
     convention's exact indices, left out of the rounds whose first draft may be exact."""
-    exact = arrays.get("exact") or [True] * len(arrays["request"])
-
     def metrics(sel):
-        skips = [skip if exact[i] else 0 for i in sel]
         return calibration_metrics(*([arrays[k][i] for i in sel] for k in
                                      ("draft_prob", "draft_confidence", "draft_margin")),
                                    [arrays["n_drafted"][i] for i in sel], [arrays["block"][i] for i in sel],
-                                   bins=bins, skip=skip if all(exact[i] for i in sel) else skips,
+                                   bins=bins, skip=[skip if arrays["exact"][i] else 0 for i in sel],
                                    calibration=calibration)
     benches = [bench_of[r] for r in arrays["request"]]
     everything = range(len(benches))

@@ -215,3 +215,19 @@ def test_block_commits_believe_a_mean_after_enough_rounds_and_carry_it_to_the_ne
     assert new.sums[8] == (pytest.approx(3.5 * (COMMIT_ROUNDS - 1)), COMMIT_ROUNDS - 1)
     assert new.sums[16] == (0.0, 0) and new.mean(16) is None
     assert new.report() == {4: 2.9, 8: 3.5}
+
+
+def test_an_ar_round_commits_the_seeds_token_and_drops_a_carried_pre_draft():
+    """One forward of the seed; the carry comes back whole, but a carried pre-draft (`valid`,
+    RecGuide's and TiDAR's) no longer lines up with the sequence and is cleared."""
+    import torch
+    from helpers import FakeStep, logits_from
+    from fastspec.methods.ar_rounds import ar_round
+    from fastspec.methods.linear import SELF_DRAFT
+    step = FakeStep([logits_from({5: 0.9})[None, None]], width=1)
+    carry = {"valid": torch.ones(1, dtype=torch.long), "drafts": torch.tensor([[7, 8]])}
+    out = ar_round(SELF_DRAFT, step, torch.tensor([3]), carry, host_columns=4)
+    assert out.emitted.tolist() == [[5]] and out.n_emitted.tolist() == [1] and out.n_drafted.tolist() == [0]
+    assert step.calls[0]["ids"].tolist() == [[3]]
+    assert out.carry["valid"].tolist() == [0] and out.carry["drafts"].tolist() == [[7, 8]]
+    assert out.host.tolist() == [[0, 0, 0, 0]]

@@ -65,12 +65,17 @@ AR_MARGIN = 0.9                 # drafting goes on unless its rate is below 0.9x
 def ar_round(source, step, pending: torch.Tensor, carry: dict, host_columns: int) -> RoundOutput:
     """One forward of the seed, its token committed. source: the method's drafter (its verify
     forward; a drafter with a context commits the seed). Host values: zeros, as many columns as
-    the method's drafting rounds report (one host read concatenates every group's)."""
+    the method's drafting rounds report (one host read concatenates every group's). The carry
+    comes back whole; a carried pre-draft (the `valid` flag of RecGuide's and TiDAR's) no longer
+    lines up with the sequence and is dropped, so the request's next drafting round drafts anew."""
     S, dev = pending.shape[0], pending.device
     positions = step.lengths[:, None] if source.has_context else None
     logits, hidden = source.verify(step, pending[:, None], causal_block(1, dev))
     token = sample_tokens(logits[:, 0], step.sampler)
-    new = source.commit(carry, hidden, positions, torch.ones(S, 1, dtype=torch.bool, device=dev))
+    new = dict(carry, **source.commit(carry, hidden, positions,
+                                      torch.ones(S, 1, dtype=torch.bool, device=dev)))
+    if "valid" in new:
+        new["valid"] = torch.zeros_like(new["valid"])
     host = torch.zeros(S, host_columns, dtype=torch.long, device=dev)
     return RoundOutput(token[:, None], torch.ones_like(pending), torch.zeros_like(pending),
                        carry=new, host=host)

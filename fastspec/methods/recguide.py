@@ -540,7 +540,8 @@ class RecGuide(LinearSS):
     # --- inside the step --------------------------------------------------------------------
     def round(self, step, pending, blocks, carry, variant="") -> RoundOutput:
         if variant == AR_VARIANT:
-            return self.ar_round(step, pending, carry)
+            # Block 1: the AR round (its host values zeros, as wide as a drafting round's).
+            return ar_round(SELF_DRAFT, step, pending, carry, H_COVERED + self.n_cand)
         n, S, dev = step.width, pending.shape[0], pending.device
         k_slots = slots_of(variant)
         s = step.sampler
@@ -638,13 +639,6 @@ class RecGuide(LinearSS):
                 pad = (0, 0, 0, w - n) if new[k].dim() == 3 else (0, w - n)
                 new[k] = torch.nn.functional.pad(new[k], pad)
         return RoundOutput(emitted, n_emitted, accepted, prob, conf, margin, carry=new, host=host)
-
-    def ar_round(self, step, pending, carry) -> RoundOutput:
-        """Block 1: one forward of the seed, its token committed (the AR round). Carried drafts
-        no longer line up with the sequence: dropped. Host values as a drafting round's, zeros."""
-        out = ar_round(SELF_DRAFT, step, pending, carry, H_COVERED + self.n_cand)
-        out.carry = dict(carry, valid=torch.zeros_like(carry["valid"]))
-        return out
 
     def stats(self, logits: torch.Tensor, drafts: torch.Tensor):
         """Per position: the draft's probability, top-1, margin, and [S, n, alts] the best tokens

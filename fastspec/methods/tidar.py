@@ -78,9 +78,9 @@ results/tidar_ar_rounds_c124_zen4_1208.json); at C = 1 and 2 it keeps drafting.
 """
 from __future__ import annotations
 
-import torch
-
 from collections import Counter
+
+import torch
 
 from fastspec.config import FastspecError
 from fastspec.convention import aligned_draft_logits
@@ -192,7 +192,6 @@ class TiDAR(LinearSS):
             self.seed_trials = 0            # rounds whose pre-draft a next round verified
             self.seed_hits = 0              # ... whose seed guess was the emitted token
             self.variant_rounds: Counter = Counter()        # cold / warm / ar -> rounds
-            self.block_rounds: dict[int, int] = {}          # B or AR_BLOCK -> rounds (ARSwitch's)
             self.switch = ARSwitch.after(getattr(self, "switch", None))   # who drafts, who takes AR rounds
 
     def block_for(self, seq) -> int:
@@ -249,14 +248,13 @@ class TiDAR(LinearSS):
             look_pays, first_pays = self.look_pays(), self.look_pays(first=True)
         plans = []
         for q in seqs:
-            h, last = q.host, q.state.get("variant")
+            h, v = q.host, self.variant_rounds
             block = self.block
-            if self.ar:
-                block = self.switch.next_block(q, self.block, self.block,
-                                               lambda b, v=last: self.price(b, v or "warm"), look_pays,
-                                               self.block_rounds, first_pays=first_pays,
-                                               judged=last == "warm")
-            self.block_rounds[block] = self.block_rounds.get(block, 0) + 1
+            if self.ar:             # (only warm rounds are judged, so they are what `price` prices)
+                taken = {AR_BLOCK: v[AR_VARIANT], self.block: v["cold"] + v["warm"]}
+                block = self.switch.next_block(q, self.block, self.block, self.price, look_pays,
+                                               taken, first_pays=first_pays,
+                                               judged=q.state.get("variant") == "warm")
             if block == AR_BLOCK:
                 variant = AR_VARIANT
             elif h and h[H_VALID]:
@@ -266,7 +264,7 @@ class TiDAR(LinearSS):
             else:
                 variant = "cold"
             q.state["variant"] = variant
-            self.variant_rounds[variant] += 1
+            v[variant] += 1
             plans.append(Plan(block, variant))
         return plans
 
@@ -339,11 +337,8 @@ class TiDAR(LinearSS):
         return overlap_layout(step, verify_ids, None, anchors, firsts, seeded)
 
     def round(self, step, pending, blocks, carry, variant="") -> RoundOutput:
-        if variant == AR_VARIANT:
-            # The carried pre-draft no longer lines up with the sequence: the next round is cold.
-            out = ar_round(SELF_DRAFT, step, pending, carry, HOST_COLUMNS)
-            out.carry = dict(carry, valid=torch.zeros_like(carry["valid"]))
-            return out
+        if variant == AR_VARIANT:               # (it drops the pre-draft: the next round is cold)
+            return ar_round(SELF_DRAFT, step, pending, carry, HOST_COLUMNS)
         n, S, dev = step.width, pending.shape[0], pending.device
         conv, s = step.convention, step.sampler
         rows = torch.arange(S, device=dev)
